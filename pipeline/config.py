@@ -1,0 +1,187 @@
+"""Typed, validated configuration: one TOML file for everything, any key overridable by a flag.
+
+Validation happens here, when the config is built, never deep inside a Ray worker: unknown keys,
+wrong types, out-of-range values, a column listed twice and a missing label are all reported at load
+time, as one paragraph naming the key, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import ConfigError
+
+DEMO_NUMERIC = tuple(f"num_{i:02d}" for i in range(12))
+DEMO_CATEGORICAL = ("city", "device", "plan", "channel")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataSection(_Section):
+    path: str = Field("data/demo", description="directory or URI (s3://, gs://) holding the Parquet shards")
+    label: str = Field("label", description="binary label column (0/1 or bool)")
+    numeric: tuple[str, ...] = Field(DEMO_NUMERIC, description="numeric feature columns")
+    categorical: tuple[str, ...] = Field(DEMO_CATEGORICAL, description="categorical feature columns")
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="share of rows held out for validation")
+
+
+class GenerateSection(_Section):
+    rows: int = Field(2_000_000, ge=1, description="rows in the demo dataset")
+    shards: int = Field(16, ge=1, description="Parquet files the demo dataset is split into")
+    seed: int = 0
+
+
+class PreprocessSection(_Section):
+    vocab_max_size: int = Field(1000, ge=1, description="most frequent values kept per categorical column")
+    vocab_min_count: int = Field(1, ge=1, description="values seen fewer times map to the unknown id")
+    missing_indicator: bool = Field(True, description="add a 0/1 column per numeric feature that had nulls")
+
+
+class TrainSection(_Section):
+    epochs: int = Field(3, ge=1)
+    batch_size: int = Field(1024, ge=1)
+    lr: float = Field(2e-3, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    hidden: tuple[int, ...] = Field((256, 128), description="hidden layer widths of the MLP")
+    embedding_dim: int = Field(8, ge=1)
+    num_workers: int = Field(2, ge=1, description="Ray Train workers (one per GPU when GPUs are used)")
+    use_gpu: Literal["auto", "true", "false"] = "auto"
+    seed: int = 0
+    drop_last: bool = Field(True, description="drop each epoch's last partial batch (the remainder is reported)")
+    shuffle: Literal["local", "none"] = "local"
+    max_failures: int = Field(0, ge=0, description="Ray Train restarts from the last checkpoint on worker loss")
+
+    @model_validator(mode="after")
+    def _hidden_positive(self) -> "TrainSection":
+        if not self.hidden or any(h < 1 for h in self.hidden):
+            raise ValueError(f"train.hidden must be a non-empty list of positive widths, got {list(self.hidden)}")
+        return self
+
+
+class LoaderSection(_Section):
+    placement: Literal["auto", "host", "device"] = Field(
+        "auto", description="device: keep the shard on the GPU; host: pinned host memory; auto: device if it fits"
+    )
+    prefetch: int = Field(2, ge=1, description="batches copied to the GPU ahead of use")
+    device_memory_fraction: float = Field(0.5, gt=0.0, le=1.0, description="share of free GPU memory placement=auto may use")
+
+
+class RunSection(_Section):
+    output: str = Field("runs", description="directory or URI for checkpoints, fitted preprocessor and metrics")
+    name: str = Field("demo", pattern=r"^[A-Za-z0-9_.-]+$", description="run folder is <output>/<name>-<timestamp>")
+    resume: bool = Field(False, description="use <output>/<name> exactly and continue from its last checkpoint")
+    ray_address: str = Field("", description="'' starts a local Ray; 'auto' or ray://host:port joins a cluster")
+    num_cpus: int = Field(0, ge=0, description="CPUs of the local Ray (0: max(cores, workers + 2))")
+
+
+class Config(_Section):
+    data: DataSection = DataSection()
+    generate: GenerateSection = GenerateSection()
+    preprocess: PreprocessSection = PreprocessSection()
+    train: TrainSection = TrainSection()
+    loader: LoaderSection = LoaderSection()
+    run: RunSection = RunSection()
+
+    @model_validator(mode="after")
+    def _columns(self) -> "Config":
+        d = self.data
+        if not d.label:
+            raise ValueError("data.label is empty; name the binary label column")
+        seen: dict[str, str] = {}
+        for kind in ("numeric", "categorical"):
+            for col in getattr(d, kind):
+                if col == d.label:
+                    raise ValueError(f"column '{col}' is the label and also listed in data.{kind}; remove it from data.{kind}")
+                if col in seen:
+                    where = f"data.{seen[col]}" + ("" if seen[col] == kind else f" and data.{kind}")
+                    raise ValueError(f"column '{col}' is listed twice in {where}; list each column once")
+                seen[col] = kind
+        if not seen:
+            raise ValueError("data.numeric and data.categorical are both empty; list at least one feature column")
+        return self
+
+    @property
+    def feature_columns(self) -> list[str]:
+        return [*self.data.numeric, *self.data.categorical]
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def keys() -> dict[str, Any]:
+    """Every settable key as 'section.field' -> its pydantic FieldInfo."""
+    out = {}
+    for section, sfield in Config.model_fields.items():
+        for name, finfo in sfield.annotation.model_fields.items():
+            out[f"{section}.{name}"] = finfo
+    return out
+
+
+def parse_flag_value(text: str) -> Any:
+    """A flag's value is read as a TOML value (3, 0.1, true, [256, 128], "x"); bare words stay strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Build the config from an optional TOML file and 'section.key' overrides (flags win)."""
+    raw: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist; pass --config with the path of a TOML file (see configs/demo.toml)")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file '{p}' is not valid TOML: {e}; fix the syntax at that line") from None
+    known = keys()
+    for section, body in raw.items():
+        if not isinstance(body, dict):
+            raise ConfigError(_unknown(section, set(Config.model_fields), source, what="section")
+                              if section not in Config.model_fields else
+                              f"'{section}' in {source} must be a [{section}] table, got {body!r}")
+    for key, value in (overrides or {}).items():
+        if key not in known:
+            raise ConfigError(_unknown(key, set(known), "flags"))
+        section, name = key.split(".", 1)
+        raw.setdefault(section, {})[name] = value
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_explain(e, source, known)) from None
+
+
+def _unknown(key: str, known: set[str], source: str, what: str = "key") -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    hint = f"did you mean '{close[0]}'?" if close else f"known {what}s: {', '.join(sorted(known))}"
+    return f"unknown config {what} '{key}' in {source}; {hint} Remove or rename it."
+
+
+def _explain(e: ValidationError, source: str, known: dict[str, Any]) -> str:
+    problems = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int))
+        if err["type"] == "extra_forbidden":
+            problems.append(_unknown(loc, set(known) if "." in loc else set(Config.model_fields), source,
+                                     what="key" if "." in loc else "section"))
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        if loc and err["type"] != "value_error":
+            desc = getattr(known.get(loc), "description", None)
+            got = err.get("input")
+            problems.append(f"config key '{loc}' in {source} is {got!r}: {msg}"
+                            + (f" ({loc}: {desc})" if desc else "") + "; set a valid value")
+        else:
+            problems.append(f"{msg} (in {source})")
+    return " ".join(problems)

@@ -1,0 +1,47 @@
+"""Starting or joining Ray with only the output a user needs."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .config import Config
+
+
+def init_ray(cfg: Config) -> None:
+    """Join the cluster named by run.ray_address, or start a private local one.
+
+    A bare `ray.init()` would join whatever /tmp/ray/ray_current_cluster points at (possibly a dead
+    cluster), so a local run asks for address="local" explicitly. Inside `ray job submit` the job's
+    driver is already connected through RAY_ADDRESS, which wins.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    # Train V2 prints a line per internal state change; a user wants the epoch lines.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_CONTROLLER_STRUCTURED_LOGGING", "0")
+    os.environ.setdefault("RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING", "0")
+    kwargs = dict(logging_level=logging.WARNING, configure_logging=True,
+                  runtime_env={"env_vars": {"RAY_DEDUP_LOGS": "1"}})
+    address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS") or "local"
+    if address == "local":
+        cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, cfg.train.num_workers + 2)
+        ray.init(address="local", num_cpus=cpus, **kwargs)
+    else:
+        ray.init(address=address, **kwargs)
+    quiet_ray_data()
+
+
+def quiet_ray_data(progress: bool = True) -> None:
+    """Driver: one progress bar per stage. Training workers (progress=False): none, their reads of
+    an already materialised shard take well under a second."""
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    ctx.enable_progress_bars = progress
+    ctx.print_on_execution_start = False
+    ctx.enable_rich_progress_bars = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    logging.getLogger("ray.train").setLevel(logging.WARNING)

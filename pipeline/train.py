@@ -1,0 +1,287 @@
+"""The Ray Train job: fit the preprocessing, hand each rank its rows, train an MLP with DDP.
+
+Driver: validate shards -> one distributed fit pass -> transform (Ray Data, across the cluster) ->
+TorchTrainer. Each worker materialises its contiguous row range once into a TabularDataset; from
+then on the hot loop is torch only (DeviceLoader), and Ray is touched again only to report metrics
+and checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import preprocess, source, storage
+from .config import Config
+from .dataset import TabularDataset
+from .errors import DataError
+from .loader import DeviceLoader
+from .metrics import StepStats, timed
+from .preprocess import FittedPreprocessor
+from .sampler import BatchSampler
+
+CHECKPOINT_FILE = "state.pt"
+PREPROCESSOR_FILE = "preprocessor.json"
+
+
+class TabularMLP(nn.Module):
+    """Standardised numeric features + one embedding per categorical column -> MLP -> one logit."""
+
+    def __init__(self, num_features: int, cardinalities: tuple[int, ...], embedding_dim: int, hidden: tuple[int, ...]):
+        super().__init__()
+        # One table for all categorical columns, each column's ids shifted into its own range:
+        # a single embedding lookup per batch instead of one per column.
+        self.register_buffer("offsets", torch.tensor([0, *np.cumsum(cardinalities)[:-1]], dtype=torch.int64)
+                             if cardinalities else torch.zeros(0, dtype=torch.int64), persistent=False)
+        self.embedding = nn.Embedding(max(1, sum(cardinalities)), embedding_dim)
+        width = num_features + embedding_dim * len(cardinalities)
+        layers: list[nn.Module] = []
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        layers.append(nn.Linear(width, 1))
+        self.mlp = nn.Sequential(*layers)
+
+    def forward(self, x_num: torch.Tensor, x_cat: torch.Tensor) -> torch.Tensor:
+        parts = [x_num]
+        if x_cat.shape[1]:
+            parts.append(self.embedding(x_cat + self.offsets).flatten(1))
+        return self.mlp(torch.cat(parts, dim=1)).squeeze(1)
+
+
+def build_model(fitted: FittedPreprocessor, cfg: Config) -> TabularMLP:
+    return TabularMLP(fitted.num_features, fitted.cardinalities, cfg.train.embedding_dim, cfg.train.hidden)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside each training worker
+
+
+def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def _all_gather_int(value: int) -> list[int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return [int(v) for v in out]
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: TabularDataset, device: torch.device, chunk: int = 65_536) -> dict[str, float]:
+    """Accuracy over every rank's validation rows, beside the majority-class baseline."""
+    model.eval()
+    correct = total = positives = 0.0
+    loss_sum = 0.0
+    for start in range(0, len(data), chunk):
+        b = data.get_batch(torch.arange(start, min(start + chunk, len(data)))).to(device)
+        logits = model(b.x_num, b.x_cat)
+        loss_sum += nn.functional.binary_cross_entropy_with_logits(logits, b.y, reduction="sum").item()
+        correct += ((logits > 0).float() == b.y).sum().item()
+        positives += b.y.sum().item()
+        total += b.y.numel()
+    model.train()
+    correct, total, positives, loss_sum = _all_reduce_sum([correct, total, positives, loss_sum], device)
+    if total == 0:
+        return {"val_rows": 0}
+    return {"val_rows": int(total), "val_loss": loss_sum / total, "val_acc": correct / total,
+            "baseline_acc": max(positives, total - positives) / total}
+
+
+def _save_checkpoint(model: nn.Module, optimizer, loader: DeviceLoader, history: list, fitted_json: str, cfg_json: str):
+    """A directory holding model, optimizer and loader state, the fitted preprocessor and the config."""
+    from ray.train import Checkpoint
+
+    d = tempfile.mkdtemp(prefix="ckpt-")
+    inner = model.module if hasattr(model, "module") else model
+    torch.save({"model": inner.state_dict(), "optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
+                "history": history}, os.path.join(d, CHECKPOINT_FILE))
+    with open(os.path.join(d, PREPROCESSOR_FILE), "w") as f:
+        f.write(fitted_json)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        f.write(cfg_json)
+    return Checkpoint.from_directory(d)
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
+    import json
+
+    import ray.train
+    import ray.train.torch
+
+    from .runtime import quiet_ray_data
+
+    quiet_ray_data(progress=False)
+    cfg = Config.model_validate(loop_config["config"])
+    fitted = FittedPreprocessor.from_dict(loop_config["fitted"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    t = cfg.train
+
+    full = TabularDataset.from_ray(ray.train.get_dataset_shard("train"))
+    train_ds, val_ds = full.split_holdout(cfg.data.val_fraction, t.seed)
+    del full
+    sizes = _all_gather_int(len(train_ds))
+    sampler = BatchSampler(len(train_ds), t.batch_size, seed=t.seed, shuffle=t.shuffle == "local",
+                           drop_last=t.drop_last, rank=rank, rank_sizes=sizes)
+    loader = DeviceLoader(train_ds, sampler, device, placement=cfg.loader.placement, prefetch=cfg.loader.prefetch,
+                          device_memory_fraction=cfg.loader.device_memory_fraction)
+
+    torch.manual_seed(t.seed)  # identical initial weights on every rank (DDP broadcasts rank 0's anyway)
+    model = ray.train.torch.prepare_model(build_model(fitted, cfg))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    history: list[dict[str, Any]] = []
+
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location=device, weights_only=False)
+        (model.module if hasattr(model, "module") else model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        loader.load_state_dict({**state["loader"], "rank": rank})
+        history = state["history"]
+
+    if rank == 0:
+        dropped = sum(max(0, s - sampler.steps * t.batch_size) for s in sizes) if t.drop_last else 0
+        print(f"[train] {world} worker(s) on {device.type}, placement={loader.placement}; rows per rank {sizes}; "
+              f"{len(loader)} steps/epoch of {t.batch_size}; drop_last remainder {dropped} rows/epoch", flush=True)
+
+    fitted_json, cfg_json = json.dumps(fitted.to_dict()), json.dumps(cfg.to_dict())
+    loss_fn = nn.BCEWithLogitsLoss()
+    start_epoch = loader.state_dict()["epoch"]
+    for epoch in range(start_epoch, t.epochs):
+        loader.set_epoch(epoch)
+        stats = StepStats()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        t0 = time.perf_counter()
+        for batch in timed(loader, stats):
+            logits = model(batch.x_num, batch.x_cat)
+            loss = loss_fn(logits, batch.y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.detach()  # no .item() per step: that would sync the GPU every batch
+        wall = time.perf_counter() - t0
+        loss_total, steps, rows, wait, busy, wall_max = _all_reduce_sum(
+            [loss_sum.item(), stats.steps, stats.rows, stats.data_wait_s, stats.total_s, wall], device)
+        metrics = {"epoch": epoch + 1, "train_loss": loss_total / max(1, steps), "rows": int(rows),
+                   "rows_per_s": rows / max(wall, 1e-9), "data_wait_pct": 100.0 * wait / max(busy, 1e-9),
+                   "epoch_s": wall, **evaluate(model, val_ds, device)}
+        history.append(metrics)
+        if rank == 0:
+            print(f"[train] epoch {metrics['epoch']}/{t.epochs}  loss {metrics['train_loss']:.4f}  "
+                  f"val_acc {metrics.get('val_acc', float('nan')):.4f} (majority baseline "
+                  f"{metrics.get('baseline_acc', float('nan')):.4f})  {metrics['rows_per_s']:,.0f} rows/s  "
+                  f"data wait {metrics['data_wait_pct']:.1f}% of step time", flush=True)
+        checkpoint = _save_checkpoint(model, optimizer, loader, history, fitted_json, cfg_json) if rank == 0 else None
+        ray.train.report(metrics, checkpoint=checkpoint)
+    return history
+
+
+# ---------------------------------------------------------------------------------------------
+# On the driver
+
+
+def make_data_config():
+    """Contiguous, equal row ranges per rank (sizes differ by at most one row), in global row order,
+    so which rows a rank owns is a pure function of the data layout and the world size."""
+    from ray.train import DataConfig
+
+    class RowRangeSplit(DataConfig):
+        def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+            out = [{} for _ in range(world_size)]
+            for name, ds in datasets.items():
+                n = ds.count()
+                bounds = [n * r // world_size for r in range(1, world_size)]
+                for r, part in enumerate(ds.split_at_indices(bounds)):
+                    part.context.enable_progress_bars = False  # a worker's read of its range takes < 1 s
+                    out[r][name] = part.iterator()
+            return out
+
+    return RowRangeSplit()
+
+
+def check_label(fitted: FittedPreprocessor, uri: str) -> None:
+    counts = fitted.stats.get("label_counts", {})
+    allowed = {"0", "1", "0.0", "1.0", "true", "false"}
+    bad = {v: n for v, n in counts.items() if v not in allowed}
+    if bad or len(counts) == 0:
+        raise DataError(f"label column '{fitted.label}' under '{uri}' must be binary (0/1 or bool), found values "
+                        f"{sorted(bad) if bad else 'none'} ({sum(bad.values())} rows); map it to 0/1 upstream "
+                        f"or set data.label to a binary column")
+
+
+def run_name(cfg: Config) -> str:
+    """A fresh folder per run, unless resuming: re-running a command never silently continues an old run."""
+    return cfg.run.name if cfg.run.resume else f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def fit_preprocessor(cfg: Config, out_uri: str) -> tuple[source.Source, FittedPreprocessor]:
+    src = source.inspect(cfg)
+    print(f"[fit] {len(src.shards)} shards, {src.num_rows:,} rows, {len(src.fragments)} row groups under {src.uri}",
+          flush=True)
+    saved = storage.join(out_uri, PREPROCESSOR_FILE)
+    if cfg.run.resume and storage.exists(*storage.filesystem(saved)):
+        print(f"[fit] resuming: using the preprocessor fitted earlier, {saved}", flush=True)
+        return src, FittedPreprocessor.load(saved)
+    t0 = time.perf_counter()
+    fitted = preprocess.fit(src, cfg)
+    check_label(fitted, src.uri)
+    fitted.save(storage.join(out_uri, PREPROCESSOR_FILE))
+    print(f"[fit] one pass in {time.perf_counter() - t0:.1f}s: {fitted.num_features} numeric features, "
+          f"vocab sizes {dict(zip(fitted.categorical, (len(v) for v in fitted.vocab)))}; saved "
+          f"{storage.join(out_uri, PREPROCESSOR_FILE)}", flush=True)
+    return src, fitted
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """The whole job; returns the summary that is also written to <output>/<name>/metrics.json."""
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    name = run_name(cfg)
+    out_uri = storage.join(cfg.run.output, name)
+    t_start = time.perf_counter()
+    src, fitted = fit_preprocessor(cfg, out_uri)
+
+    t0 = time.perf_counter()
+    ds = preprocess.transform_dataset(src, fitted).materialize()
+    print(f"[transform] {ds.count():,} rows in {time.perf_counter() - t0:.1f}s", flush=True)
+
+    use_gpu = cfg.train.use_gpu == "true" or (cfg.train.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
+    storage_path = cfg.run.output if not storage.is_local(cfg.run.output) else os.path.abspath(cfg.run.output)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"config": cfg.to_dict(), "fitted": fitted.to_dict()},
+        scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=use_gpu,
+                                     resources_per_worker=None if use_gpu else {"CPU": 1}),
+        datasets={"train": ds},
+        dataset_config=make_data_config(),
+        run_config=RunConfig(name=name, storage_path=storage_path,
+                             checkpoint_config=CheckpointConfig(num_to_keep=2),
+                             failure_config=FailureConfig(max_failures=cfg.train.max_failures)),
+    )
+    result = trainer.fit()
+    history = result.return_value or []
+    if not history and result.checkpoint is not None:
+        with result.checkpoint.as_directory() as d:
+            history = torch.load(os.path.join(d, CHECKPOINT_FILE), weights_only=False)["history"]
+    summary = {"run": out_uri, "rows_read": src.num_rows, "epochs": history, "checkpoint": result.checkpoint.path if result.checkpoint else None,
+               "preprocessor": storage.join(out_uri, PREPROCESSOR_FILE), "use_gpu": use_gpu,
+               "wall_s": round(time.perf_counter() - t_start, 2)}
+    storage.write_json(storage.join(out_uri, "metrics.json"), summary)
+    return summary

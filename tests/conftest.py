@@ -1,0 +1,40 @@
+"""Shared fixtures: one local Ray per test session (started only if a test needs it), small datasets."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # `ray job submit` and local clusters must agree
+os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A private local Ray (address='local': never joins a leftover cluster), shut down at the end."""
+    import ray
+
+    from pipeline.runtime import quiet_ray_data
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    quiet_ray_data(progress=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory) -> str:
+    """A small demo dataset (same generator as the real one): 24k rows in 4 shards."""
+    from pipeline import demo
+
+    path = str(tmp_path_factory.mktemp("demo"))
+    demo.generate(path, rows=24_000, shards=4, seed=1)
+    return path
+
+
+def make_config(data_path: str, **overrides):
+    from pipeline import config
+
+    return config.load(None, {"data.path": data_path, **overrides})

@@ -1,0 +1,29 @@
+"""Helpers shared by the loader, sampler and dataset tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pipeline.dataset import TabularDataset
+
+
+def numbered_dataset(n: int, features: int = 3, cats: int = 2, first_id: int = 0) -> TabularDataset:
+    """Row i holds i in every column (exact in float32 below 2**24), so a batch tells which rows it has."""
+    ids = np.arange(first_id, first_id + n)
+    return TabularDataset.from_numpy(np.repeat(ids[:, None], features, 1).astype(np.float32),
+                                     np.repeat(ids[:, None], cats, 1), ids.astype(np.float32), ids)
+
+
+def rows_of(batch) -> list[int]:
+    """The row numbers in a batch of a numbered dataset, after checking every column agrees."""
+    r = batch.y.long()
+    assert torch.equal(batch.x_num.long(), r[:, None].expand_as(batch.x_num))
+    assert torch.equal(batch.x_cat, r[:, None].expand_as(batch.x_cat))
+    return r.tolist()
+
+
+def contiguous_sizes(n: int, world: int) -> list[int]:
+    """Row counts of the contiguous split the training job uses (sizes differ by at most one)."""
+    bounds = [n * r // world for r in range(world + 1)]
+    return [bounds[r + 1] - bounds[r] for r in range(world)]

@@ -1,0 +1,150 @@
+"""Dataset, sampler and loader properties: shapes, every row once, equal steps, determinism, resume."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import contiguous_sizes, numbered_dataset, rows_of
+from pipeline.dataset import Batch, TabularDataset, holdout_mask
+from pipeline.errors import PipelineError
+from pipeline.loader import DeviceLoader
+from pipeline.sampler import BatchSampler
+
+
+def make_loader(n, batch, *, seed=0, shuffle=True, drop_last=False, rank=0, sizes=None, first_id=0):
+    ds = numbered_dataset(n, first_id=first_id)
+    s = BatchSampler(n, batch, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, rank_sizes=sizes)
+    return DeviceLoader(ds, s, "cpu")
+
+
+def test_batch_shapes_and_dtypes():
+    ds = TabularDataset.from_numpy(np.random.rand(100, 5), np.random.randint(0, 9, (100, 3)), np.random.rand(100))
+    b = next(iter(DeviceLoader(ds, BatchSampler(100, 32), "cpu")))
+    assert isinstance(b, Batch)
+    assert b.x_num.shape == (32, 5) and b.x_num.dtype == torch.float32 and b.x_num.is_contiguous()
+    assert b.x_cat.shape == (32, 3) and b.x_cat.dtype == torch.int64
+    assert b.y.shape == (32,) and b.y.dtype == torch.float32
+
+
+@pytest.mark.parametrize("n,batch", [(1, 1), (10, 3), (100, 10), (1000, 64), (4097, 256)])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_one_epoch_yields_every_row_exactly_once(n, batch, shuffle):
+    loader = make_loader(n, batch, shuffle=shuffle)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        seen = [r for b in loader for r in rows_of(b)]
+        assert sorted(seen) == list(range(n))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,batch", [(10, 4), (1000, 32), (1001, 100), (37, 8)])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_ranks_run_equal_steps_and_cover_every_row(world, n, batch, drop_last):
+    sizes = contiguous_sizes(n, world)
+    starts = np.cumsum([0, *sizes])
+    if min(sizes) == 0 or (drop_last and min(sizes) < batch):
+        with pytest.raises(PipelineError, match="no rows|no full batch"):
+            make_loader(sizes[0], batch, drop_last=drop_last, rank=0, sizes=sizes)
+        return
+    per_rank = []
+    for r in range(world):
+        loader = make_loader(sizes[r], batch, drop_last=drop_last, rank=r, sizes=sizes, first_id=int(starts[r]))
+        per_rank.append([rows_of(b) for b in loader])
+    steps = {len(p) for p in per_rank}
+    assert len(steps) == 1, f"unequal steps per rank: {[len(p) for p in per_rank]}"
+    seen = [r for p in per_rank for b in p for r in b]
+    if drop_last:
+        assert len(seen) == len(set(seen)), "a row was repeated"
+        assert n - len(seen) <= world * batch - 1
+        assert all(len(b) == batch for p in per_rank for b in p)
+    else:
+        assert set(seen) == set(range(n)), "a row was skipped"
+        # Padding only repeats rows of the smaller ranks, up to the largest rank's size.
+        assert len(seen) == world * max(sizes)
+
+
+def test_order_is_a_pure_function_of_seed_epoch_rank():
+    def order(seed, epoch, rank):
+        loader = make_loader(500, 50, seed=seed, rank=rank, sizes=[500, 500])
+        loader.set_epoch(epoch)
+        return [r for b in loader for r in rows_of(b)]
+
+    assert order(1, 0, 0) == order(1, 0, 0)
+    assert order(1, 0, 0) != order(1, 1, 0)
+    assert order(1, 0, 0) != order(2, 0, 0)
+    assert order(1, 0, 0) != order(1, 0, 1)
+
+
+@pytest.mark.parametrize("stop_after", [0, 1, 7, 19, 20])
+def test_resume_mid_epoch_continues_exactly(stop_after):
+    full = make_loader(1000, 50, seed=3)
+    full.set_epoch(2)
+    expected = [rows_of(b) for b in full]
+    first = make_loader(1000, 50, seed=3)
+    first.set_epoch(2)
+    got = [rows_of(b) for b in itertools.islice(first, stop_after)]
+    state = first.state_dict()
+    resumed = make_loader(1000, 50, seed=3)
+    resumed.load_state_dict(state)
+    if stop_after == len(full):
+        assert state["epoch"] == 3 and state["step"] == 0
+        return
+    got += [rows_of(b) for b in resumed]
+    assert got == expected
+
+
+def test_resume_refuses_a_different_layout():
+    state = make_loader(1000, 50, sizes=[1000, 1000]).state_dict()
+    other = make_loader(1000, 50, sizes=[1000, 1000, 1000])
+    with pytest.raises(PipelineError, match="rank_sizes"):
+        other.load_state_dict(state)
+
+
+def test_empty_rank_is_refused_clearly():
+    with pytest.raises(PipelineError, match="received no rows"):
+        BatchSampler(5, 2, rank=0, rank_sizes=[5, 0])
+
+
+def test_gather_into_preallocated_buffers_matches_plain_gather():
+    ds = numbered_dataset(300)
+    out = Batch(torch.empty(64, 3), torch.empty(64, 2, dtype=torch.int64), torch.empty(64))
+    idx = torch.randperm(300)[:64]
+    plain = ds.get_batch(idx)
+    into = ds.get_batch(idx, out=out)
+    assert into.x_num.data_ptr() == out.x_num.data_ptr()
+    for a, b in zip(plain, into):
+        assert torch.equal(a, b)
+
+
+def test_getitems_serves_torch_dataloader_whole_batches():
+    ds = numbered_dataset(103)
+    sampler = BatchSampler(103, 10, drop_last=False)
+    dl = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=lambda b: b)
+    seen = [r for b in dl for r in rows_of(b)]
+    assert sorted(seen) == list(range(103))
+
+
+def test_holdout_split_is_independent_of_sharding():
+    ids = np.arange(100_000)
+    mask = holdout_mask(ids, 0.1, seed=0)
+    assert 0.09 < mask.mean() < 0.11
+    parts = np.concatenate([holdout_mask(p, 0.1, 0) for p in np.array_split(ids, 7)])
+    np.testing.assert_array_equal(parts, mask)
+    assert not np.array_equal(holdout_mask(ids, 0.1, 1), mask)
+    ds = numbered_dataset(1000)
+    train, val = ds.split_holdout(0.2, 0)
+    assert sorted(train.row_id.tolist() + val.row_id.tolist()) == list(range(1000))
+
+
+def test_from_batches_restores_row_order():
+    rng = np.random.default_rng(0)
+    blocks = []
+    for start in rng.permutation(np.arange(0, 100, 10)):
+        ids = np.arange(start, start + 10)
+        blocks.append({"row_id": ids, "x_num": ids[:, None].astype(np.float32), "x_cat": ids[:, None],
+                       "y": ids.astype(np.float32)})
+    ds = TabularDataset.from_batches(blocks)
+    assert ds.row_id.tolist() == list(range(100))
+    assert ds.x_num[:, 0].tolist() == list(range(100))

@@ -1,0 +1,121 @@
+"""Preprocessing against a numpy/pandas reference, fragment-merge invariance, save/load equality."""
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from pipeline.preprocess import FittedPreprocessor, PartialStats, partial_stats
+
+NUM = ["a", "b", "const", "ints"]
+CAT = ["color", "code"]
+
+
+def frame(n: int, seed: int) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    a = rng.normal(5.0, 3.0, n)
+    a[rng.random(n) < 0.1] = np.nan  # nulls in a numeric column
+    colors = rng.choice(["red", "green", "blue", "teal", "rare"], n, p=[0.4, 0.3, 0.2, 0.09, 0.01]).astype(object)
+    colors[rng.random(n) < 0.05] = None
+    return pd.DataFrame({
+        "a": a,
+        "b": rng.exponential(100.0, n),
+        "const": np.full(n, 3.5),
+        "ints": rng.integers(-1000, 1000, n),
+        "color": colors,
+        "code": rng.integers(0, 7, n),  # an integer categorical column
+        "label": rng.integers(0, 2, n),
+    })
+
+
+def fit_local(df: pd.DataFrame, chunks: int = 1, **kw) -> FittedPreprocessor:
+    total = PartialStats()
+    for part in np.array_split(np.arange(len(df)), chunks):
+        total = total.merge(partial_stats(pa.Table.from_pandas(df.iloc[part], preserve_index=False), NUM, CAT, "label"))
+    opts = dict(max_size=100, min_count=1, missing_indicator=True) | kw
+    return FittedPreprocessor.from_stats(total, NUM, CAT, "label", **opts)
+
+
+def reference(df_fit: pd.DataFrame, df: pd.DataFrame, max_size=100, min_count=1):
+    cols = []
+    for c in NUM:
+        mean, var = df_fit[c].mean(), df_fit[c].var(ddof=0)
+        std = np.sqrt(var) if var > 0 else 1.0
+        cols.append(((df[c].astype(float) - mean) / std).fillna(0.0).to_numpy())
+    for c in NUM:
+        if df_fit[c].isna().any():
+            cols.append(df[c].isna().to_numpy().astype(float))
+    x = np.stack(cols, 1).astype(np.float32)
+    ids = []
+    for c in CAT:
+        counts = df_fit[c].dropna().astype(str).value_counts()
+        kept = sorted(((v, n) for v, n in counts.items() if n >= min_count), key=lambda t: (-t[1], t[0]))[:max_size]
+        lookup = {v: i + 1 for i, (v, _) in enumerate(kept)}
+        ids.append(df[c].map(lambda v: lookup.get(str(v), 0) if v is not None and v == v else 0).to_numpy())
+    return x, np.stack(ids, 1).astype(np.int64)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_transform_matches_reference_with_nulls_constants_and_unseen(seed):
+    df_fit = frame(5000, seed)
+    df_new = frame(1000, seed + 100)
+    df_new.loc[::7, "color"] = "never-seen"
+    df_new.loc[::11, "code"] = 99
+    fitted = fit_local(df_fit)
+    x_ref, ids_ref = reference(df_fit, df_new)
+    out = fitted.transform(df_new)
+    assert out.x_num.dtype == np.float32 and out.x_cat.dtype == np.int64 and out.y.dtype == np.float32
+    np.testing.assert_allclose(out.x_num, x_ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(out.x_cat, ids_ref)
+    assert (out.x_cat[::7, 0] == 0).all() and (out.x_cat[::11, 1] == 0).all()  # unseen -> 0
+    assert np.all(out.x_num[:, NUM.index("const")] == 0.0)  # constant column: no division by zero
+    assert fitted.indicators == ("a",)  # only the column that had nulls gets an indicator
+
+
+@pytest.mark.parametrize("chunks", [2, 7, 50])
+def test_fit_is_independent_of_how_rows_are_split(chunks):
+    df = frame(3000, 5)
+    one, many = fit_local(df, 1), fit_local(df, chunks)
+    np.testing.assert_allclose(many.mean, one.mean, rtol=1e-12)
+    np.testing.assert_allclose(many.std, one.std, rtol=1e-10)
+    assert many.vocab == one.vocab and many.stats["label_counts"] == one.stats["label_counts"]
+
+
+def test_vocab_size_limit_and_min_count():
+    df = frame(5000, 3)
+    f = fit_local(df, max_size=2, min_count=1)
+    assert f.vocab[0] == ("red", "green")
+    f = fit_local(df, min_count=200)  # 'rare' (about 1%) falls under the minimum count
+    assert "rare" not in f.vocab[0] and "red" in f.vocab[0]
+    x_ref, ids_ref = reference(df, df, min_count=200)
+    np.testing.assert_array_equal(f.transform(df).x_cat, ids_ref)
+
+
+def test_save_load_gives_identical_arrays(tmp_path):
+    df = frame(4000, 9)
+    fitted = fit_local(df, 3)
+    path = str(tmp_path / "pre.json")
+    fitted.save(path)
+    loaded = FittedPreprocessor.load(path)
+    assert loaded == fitted
+    a, b = fitted.transform(df), loaded.transform(pa.Table.from_pandas(df))
+    for x, y in [(a.x_num, b.x_num), (a.x_cat, b.x_cat), (a.y, b.y)]:
+        assert x.tobytes() == y.tobytes()
+    serving = loaded.transform(df.drop(columns=["label"]))  # serving data has no label
+    assert serving.y is None and serving.x_num.tobytes() == a.x_num.tobytes()
+
+
+def test_dictionary_encoded_categorical_is_the_same_as_plain():
+    df = frame(2000, 4)
+    fitted = fit_local(df)
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    dict_table = table.set_column(table.schema.get_field_index("color"), "color", table["color"].dictionary_encode())
+    np.testing.assert_array_equal(fitted.transform(dict_table).x_cat, fitted.transform(table).x_cat)
+
+
+def test_load_refuses_unknown_format_and_newer_version():
+    with pytest.raises(ValueError, match="not a fitted preprocessor"):
+        FittedPreprocessor.from_dict({"format": "other"})
+    d = fit_local(frame(100, 0)).to_dict() | {"version": 99}
+    with pytest.raises(ValueError, match="newer"):
+        FittedPreprocessor.from_dict(d)
