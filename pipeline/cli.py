@@ -97,12 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_config_flags(p)
         if name == "generate":
             p.add_argument("--overwrite", action="store_true", help="rewrite the dataset even if it is complete")
-    try:
-        from . import bench
+    from . import bench
 
-        bench.add_parser(sub, _add_config_flags)
-    except ImportError:  # bench needs nothing extra to import; keep the CLI usable if it ever does
-        pass
+    bench.add_parser(sub, _add_config_flags)
     return parser
 
 
@@ -110,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        cfg = _config_from(args)
+        cfg = None if getattr(args, "no_config", False) else _config_from(args)
         handler: Callable[..., Any] = COMMANDS[args.command][0] if args.command in COMMANDS else args.handler
         return handler(cfg, args)
     except PipelineError as e:

@@ -1,90 +1,151 @@
-"""A rank's rows as contiguous tensors, fetched a whole batch per call.
+"""A rank's rows in one packed, row-major tensor, fetched a whole batch per call.
 
-Rows are gathered with `index_select` (one vectorised call per tensor, optionally straight into a
-preallocated output), never with per-row Python. Row ids travel with the rows, so every consumer
-can check that it saw each row exactly once.
+Layout: row i of `rows` (float32, shape [n, F + C + 1]) holds the F standardised features, then the C
+category ids (int32 bit patterns in float32 slots), then the label. A shuffled batch is then ONE
+`index_select` reading one contiguous 4*(F+C+1)-byte run per row: random gathers are bound by memory
+latency, and three separate tensors cost three cache-miss streams per row instead of one (measured
+1.2-2.4x slower here). `x_num`, `x_cat` and `y` are views into the packed rows, on the dataset and on
+every batch; a batch crosses PCIe as one copy. Large tensors are allocated on transparent huge pages
+where the OS allows (fewer TLB misses on random rows).
+
+Row ids travel beside the rows, so every consumer can check that it saw each row exactly once.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple, Sequence
+import ctypes
+import sys
+from typing import Iterable, NamedTuple
 
 import numpy as np
 import torch
 
+_HUGE = 2 << 20
+
 
 class Batch(NamedTuple):
     x_num: torch.Tensor  # [B, F] float32
-    x_cat: torch.Tensor  # [B, C] int64, 0 = unknown or null
+    x_cat: torch.Tensor  # [B, C] int32, 0 = unknown or null
     y: torch.Tensor  # [B] float32
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
         return Batch(*(t.to(device, non_blocking=non_blocking) for t in self))
 
+    def contiguous(self) -> "Batch":
+        return Batch(*(t.contiguous() for t in self))
+
+
+def unpack(rows: torch.Tensor, num_features: int, num_categorical: int) -> Batch:
+    """Views of packed rows [B, F + C + 1] as (x_num, x_cat, y); no copy."""
+    f, c = num_features, num_categorical
+    return Batch(rows[:, :f], rows[:, f:f + c].view(torch.int32), rows[:, f + c])
+
+
+def alloc_rows(n: int, width: int, *, pin: bool = False) -> torch.Tensor:
+    """An uninitialised float32 [n, width] tensor, advised onto huge pages before first touch."""
+    if pin:
+        return torch.empty((n, width), dtype=torch.float32, pin_memory=True)
+    t = torch.empty((n, width), dtype=torch.float32)
+    nbytes = t.numel() * 4
+    if sys.platform.startswith("linux") and nbytes >= 2 * _HUGE:
+        start = (t.data_ptr() + _HUGE - 1) & ~(_HUGE - 1)
+        end = (t.data_ptr() + nbytes) & ~(_HUGE - 1)
+        try:  # MADV_HUGEPAGE = 14; harmless where THP is off ("never") or unsupported
+            ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(14))
+        except (OSError, AttributeError):
+            pass
+    return t
+
 
 class TabularDataset:
-    """Contiguous feature, category-id and label tensors (plus row ids) of one rank's rows."""
+    """One rank's rows: packed features, category ids and label (see module doc), plus row ids."""
 
-    def __init__(self, x_num: torch.Tensor, x_cat: torch.Tensor, y: torch.Tensor, row_id: torch.Tensor | None = None):
-        n = x_num.shape[0]
-        if not (x_cat.shape[0] == y.shape[0] == n) or x_num.dim() != 2 or x_cat.dim() != 2 or y.dim() != 1:
-            raise ValueError(f"inconsistent shapes: x_num {tuple(x_num.shape)}, x_cat {tuple(x_cat.shape)}, y {tuple(y.shape)}")
-        self.x_num = x_num.contiguous()
-        self.x_cat = x_cat.contiguous()
-        self.y = y.contiguous()
+    def __init__(self, rows: torch.Tensor, num_features: int, num_categorical: int, row_id: torch.Tensor | None = None):
+        if rows.dim() != 2 or rows.dtype != torch.float32 or rows.shape[1] != num_features + num_categorical + 1:
+            raise ValueError(f"packed rows must be float32 [n, {num_features} + {num_categorical} + 1], "
+                             f"got {rows.dtype} {tuple(rows.shape)}")
+        self.rows = rows.contiguous()
+        self.num_features, self.num_categorical = num_features, num_categorical
+        n = rows.shape[0]
         self.row_id = (row_id if row_id is not None else torch.arange(n, dtype=torch.int64)).contiguous()
+        if self.row_id.shape != (n,):
+            raise ValueError(f"row_id has shape {tuple(self.row_id.shape)}, expected ({n},)")
+        self.x_num, self.x_cat, self.y = unpack(self.rows, num_features, num_categorical)
 
     @classmethod
     def from_numpy(cls, x_num: np.ndarray, x_cat: np.ndarray, y: np.ndarray, row_id: np.ndarray | None = None) -> "TabularDataset":
-        return cls(torch.from_numpy(np.ascontiguousarray(x_num, dtype=np.float32)),
-                   torch.from_numpy(np.ascontiguousarray(x_cat, dtype=np.int64)),
-                   torch.from_numpy(np.ascontiguousarray(y, dtype=np.float32)),
-                   None if row_id is None else torch.from_numpy(np.ascontiguousarray(row_id, dtype=np.int64)))
+        return cls.from_blocks([{"x_num": x_num, "x_cat": x_cat, "y": y,
+                                 **({} if row_id is None else {"row_id": row_id})}], sort=False)
 
     @classmethod
-    def from_batches(cls, batches: Iterable[dict[str, np.ndarray]]) -> "TabularDataset":
-        """Concatenate transformed blocks (row_id, x_num, x_cat, y) and put rows in row-id order, so
-        the result does not depend on the order in which blocks arrived."""
-        parts: dict[str, list[np.ndarray]] = {"row_id": [], "x_num": [], "x_cat": [], "y": []}
-        for b in batches:
-            for k in parts:
-                parts[k].append(b[k])
-        if not parts["row_id"]:
-            return cls.from_numpy(np.empty((0, 0), np.float32), np.empty((0, 0), np.int64), np.empty(0, np.float32),
-                                  np.empty(0, np.int64))
-        cols = {k: np.concatenate(v) for k, v in parts.items()}
-        rid = cols["row_id"]
-        if rid.size > 1 and not (rid[1:] > rid[:-1]).all():
-            order = np.argsort(rid, kind="stable")
-            cols = {k: v[order] for k, v in cols.items()}
-        return cls.from_numpy(cols["x_num"], cols["x_cat"], cols["y"], cols["row_id"])
+    def from_blocks(cls, blocks: Iterable[dict[str, np.ndarray]], *, sort: bool = True) -> "TabularDataset":
+        """Pack transformed blocks (x_num, x_cat, y and optionally row_id) into one tensor. With sort,
+        rows are put in row-id order, so the result does not depend on the order blocks arrived in."""
+        blocks = [b for b in blocks if len(b["y"])]
+        if not blocks:
+            raise ValueError("no rows: this rank received an empty shard")
+        f, c = np.asarray(blocks[0]["x_num"]).shape[1], np.asarray(blocks[0]["x_cat"]).shape[1]
+        ids = np.concatenate([b["row_id"] for b in blocks]) if "row_id" in blocks[0] else None
+        ds = cls._pack(blocks, f, c, ids)
+        if ids is not None and sort and ids.size > 1 and not (ids[1:] > ids[:-1]).all():
+            ds = ds.sorted_by_row_id()
+        return ds
+
+    @classmethod
+    def _pack(cls, blocks, f: int, c: int, ids: np.ndarray | None) -> "TabularDataset":
+        n = sum(len(b["y"]) for b in blocks)
+        rows = alloc_rows(n, f + c + 1)
+        packed = rows.numpy()
+        at = 0
+        for b in blocks:
+            k = len(b["y"])
+            packed[at:at + k, :f] = b["x_num"]
+            packed[at:at + k, f:f + c].view(np.int32)[:] = b["x_cat"]  # ids < 2**31 by construction
+            packed[at:at + k, f + c] = b["y"]
+            at += k
+        return cls(rows, f, c, None if ids is None else torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)))
+
+    def sorted_by_row_id(self) -> "TabularDataset":
+        return self.subset(torch.argsort(self.row_id, stable=True))
 
     @classmethod
     def from_ray(cls, iterator) -> "TabularDataset":
         """Materialise a Ray Train dataset shard (a DataIterator) once; epochs then never touch Ray."""
-        return cls.from_batches(iterator.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2))
+        return cls.from_blocks(iterator.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2))
 
     def __len__(self) -> int:
-        return self.x_num.shape[0]
+        return self.rows.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.rows.shape[1]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.x_num, self.x_cat, self.y, self.row_id))
+        return self.rows.numel() * 4 + self.row_id.numel() * 8
 
     @property
     def device(self) -> torch.device:
-        return self.x_num.device
+        return self.rows.device
 
-    def get_batch(self, idx: torch.Tensor, out: Batch | None = None) -> Batch:
-        """Rows `idx` as one Batch; with `out`, gathered straight into its (preallocated) tensors."""
+    def alloc_batch(self, batch_size: int, *, pin: bool = False) -> torch.Tensor:
+        """A packed output buffer for `get_batch(..., out=)`."""
+        return alloc_rows(batch_size, self.width, pin=pin)
+
+    def gather(self, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed rows `idx`: one index_select, into `out` (at least len(idx) rows) if given."""
         if out is None:
-            return Batch(self.x_num.index_select(0, idx), self.x_cat.index_select(0, idx), self.y.index_select(0, idx))
-        torch.index_select(self.x_num, 0, idx, out=out.x_num)
-        torch.index_select(self.x_cat, 0, idx, out=out.x_cat)
-        torch.index_select(self.y, 0, idx, out=out.y)
-        return out
+            return self.rows.index_select(0, idx)
+        return torch.index_select(self.rows, 0, idx, out=out[: idx.numel()])
 
-    def __getitems__(self, indices: Sequence[int]) -> Batch:
+    def unpack(self, rows: torch.Tensor) -> Batch:
+        return unpack(rows, self.num_features, self.num_categorical)
+
+    def get_batch(self, idx: torch.Tensor, out: torch.Tensor | None = None) -> Batch:
+        """Rows `idx` as one Batch of views into a single gathered tensor."""
+        return unpack(self.gather(idx, out), self.num_features, self.num_categorical)
+
+    def __getitems__(self, indices) -> Batch:
         """Batched fetch used by torch's DataLoader when given a batch sampler: one gather per batch."""
         return self.get_batch(torch.as_tensor(indices, dtype=torch.int64))
 
@@ -93,18 +154,21 @@ class TabularDataset:
         return self.x_num[i], self.x_cat[i], self.y[i]
 
     def subset(self, idx: torch.Tensor) -> "TabularDataset":
-        return TabularDataset(self.x_num[idx], self.x_cat[idx], self.y[idx], self.row_id[idx])
+        if idx.dtype == torch.bool:
+            idx = idx.nonzero().squeeze(1)
+        rows = alloc_rows(idx.numel(), self.width) if self.rows.device.type == "cpu" else None
+        rows = torch.index_select(self.rows, 0, idx.to(self.rows.device), out=rows) if rows is not None \
+            else self.rows.index_select(0, idx.to(self.rows.device))
+        return TabularDataset(rows, self.num_features, self.num_categorical, self.row_id[idx.to(self.row_id.device)])
 
     def to(self, device, non_blocking: bool = False) -> "TabularDataset":
-        return TabularDataset(*(t.to(device, non_blocking=non_blocking) for t in (self.x_num, self.x_cat, self.y, self.row_id)))
-
-    def pin_memory(self) -> "TabularDataset":
-        return TabularDataset(*(t.pin_memory() for t in (self.x_num, self.x_cat, self.y, self.row_id)))
+        return TabularDataset(self.rows.to(device, non_blocking=non_blocking), self.num_features, self.num_categorical,
+                              self.row_id.to(device, non_blocking=non_blocking))
 
     def split_holdout(self, fraction: float, seed: int) -> tuple["TabularDataset", "TabularDataset"]:
         """(train, validation): a row is held out by a hash of its global row id, so the split is the
         same whatever the number of ranks and however the rows were sharded."""
-        mask = torch.from_numpy(holdout_mask(self.row_id.numpy(), fraction, seed))
+        mask = torch.from_numpy(holdout_mask(self.row_id.cpu().numpy(), fraction, seed))
         return self.subset(~mask), self.subset(mask)
 
 

@@ -19,7 +19,7 @@ def rows_of(batch) -> list[int]:
     """The row numbers in a batch of a numbered dataset, after checking every column agrees."""
     r = batch.y.long()
     assert torch.equal(batch.x_num.long(), r[:, None].expand_as(batch.x_num))
-    assert torch.equal(batch.x_cat, r[:, None].expand_as(batch.x_cat))
+    assert torch.equal(batch.x_cat.long(), r[:, None].expand_as(batch.x_cat))
     return r.tolist()
 
 

@@ -20,12 +20,20 @@ def make_loader(n, batch, *, seed=0, shuffle=True, drop_last=False, rank=0, size
 
 
 def test_batch_shapes_and_dtypes():
-    ds = TabularDataset.from_numpy(np.random.rand(100, 5), np.random.randint(0, 9, (100, 3)), np.random.rand(100))
-    b = next(iter(DeviceLoader(ds, BatchSampler(100, 32), "cpu")))
+    x, c, y = np.random.rand(100, 5), np.random.randint(0, 2**31 - 1, (100, 3)), np.random.rand(100)
+    ds = TabularDataset.from_numpy(x, c, y)
+    b = next(iter(DeviceLoader(ds, BatchSampler(100, 32, shuffle=False), "cpu")))
     assert isinstance(b, Batch)
-    assert b.x_num.shape == (32, 5) and b.x_num.dtype == torch.float32 and b.x_num.is_contiguous()
-    assert b.x_cat.shape == (32, 3) and b.x_cat.dtype == torch.int64
+    assert b.x_num.shape == (32, 5) and b.x_num.dtype == torch.float32
+    assert b.x_cat.shape == (32, 3) and b.x_cat.dtype == torch.int32
     assert b.y.shape == (32,) and b.y.dtype == torch.float32
+    # Values survive packing exactly, ids included (int32 bit patterns inside the float32 rows).
+    np.testing.assert_array_equal(b.x_num.numpy(), x[:32].astype(np.float32))
+    np.testing.assert_array_equal(b.x_cat.numpy(), c[:32])
+    np.testing.assert_array_equal(b.y.numpy(), y[:32].astype(np.float32))
+    # The three parts are views of one gathered tensor: one gather, one copy to the device.
+    assert b.x_num.untyped_storage().data_ptr() == b.y.untyped_storage().data_ptr()
+    assert all(t.is_contiguous() for t in b.contiguous())
 
 
 @pytest.mark.parametrize("n,batch", [(1, 1), (10, 3), (100, 10), (1000, 64), (4097, 256)])
@@ -109,11 +117,12 @@ def test_empty_rank_is_refused_clearly():
 
 def test_gather_into_preallocated_buffers_matches_plain_gather():
     ds = numbered_dataset(300)
-    out = Batch(torch.empty(64, 3), torch.empty(64, 2, dtype=torch.int64), torch.empty(64))
+    out = ds.alloc_batch(64)
     idx = torch.randperm(300)[:64]
     plain = ds.get_batch(idx)
     into = ds.get_batch(idx, out=out)
-    assert into.x_num.data_ptr() == out.x_num.data_ptr()
+    assert into.x_num.data_ptr() == out.data_ptr()
+    assert rows_of(ds.get_batch(idx[:10], out=out)) == idx[:10].tolist()  # a short last batch
     for a, b in zip(plain, into):
         assert torch.equal(a, b)
 
@@ -145,6 +154,40 @@ def test_from_batches_restores_row_order():
         ids = np.arange(start, start + 10)
         blocks.append({"row_id": ids, "x_num": ids[:, None].astype(np.float32), "x_cat": ids[:, None],
                        "y": ids.astype(np.float32)})
-    ds = TabularDataset.from_batches(blocks)
+    ds = TabularDataset.from_blocks(blocks)
     assert ds.row_id.tolist() == list(range(100))
     assert ds.x_num[:, 0].tolist() == list(range(100))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_worker_loader_same_rows_as_device_loader_and_resumes(workers):
+    n, b = 1000, 64
+    ref = make_loader(n, b, seed=5)
+    ref.set_epoch(1)
+    expected = [rows_of(x) for x in ref]
+    from pipeline.loader import WorkerLoader
+
+    wl = WorkerLoader(numbered_dataset(n), BatchSampler(n, b, seed=5, drop_last=False), num_workers=workers,
+                      persistent_workers=False)
+    wl.set_epoch(1)
+    got = [rows_of(x) for x in itertools.islice(wl, 5)]
+    state = wl.state_dict()
+    assert state["step"] == 5  # delivered batches, not those the workers prefetched
+    wl2 = WorkerLoader(numbered_dataset(n), BatchSampler(n, b, seed=5, drop_last=False), num_workers=workers,
+                       persistent_workers=False)
+    wl2.load_state_dict(state)
+    got += [rows_of(x) for x in wl2]
+    assert got == expected
+
+
+def _double_labels(batch):
+    return batch._replace(y=batch.y * 2)
+
+
+def test_worker_loader_runs_the_transform_in_workers():
+    from pipeline.loader import WorkerLoader
+
+    wl = WorkerLoader(numbered_dataset(100), BatchSampler(100, 10, shuffle=False), transform=_double_labels,
+                      num_workers=2, persistent_workers=False)
+    first = next(iter(wl))
+    assert first.y.tolist() == [2.0 * i for i in range(10)]
