@@ -49,11 +49,21 @@ def cmd_generate(cfg: config_mod.Config, args) -> int:
 
 def cmd_validate(cfg: config_mod.Config, args) -> int:
     from . import source
+    from .errors import DataError
 
-    src = source.inspect(cfg)
-    print(f"[validate] {len(src.shards)} shards, {src.num_rows:,} rows, {len(src.fragments)} row groups under "
-          f"{src.uri}: every footer readable, columns {len(cfg.feature_columns)} features + label '{cfg.data.label}' "
-          f"present with usable types")
+    # Collect every bad file (not just the first), then apply the configured policy.
+    lenient = cfg.model_copy(update={"quality": cfg.quality.model_copy(update={"on_bad_file": "quarantine"})})
+    src = source.inspect(lenient)
+    print(f"[validate] {len(src.shards)} good shards, {src.num_rows:,} rows, {len(src.fragments)} row groups under "
+          f"{src.uri}; columns: {len(cfg.feature_columns)} features + label '{cfg.data.label}'")
+    for b in src.bad_files:
+        rows = "rows unknown" if b.rows is None else f"{b.rows:,} rows"
+        print(f"[validate] BAD {b.path} ({rows}): {b.reason}")
+    if src.bad_files and cfg.quality.on_bad_file == "fail":
+        raise DataError(f"{len(src.bad_files)} bad files under '{src.uri}' (listed above); rewrite or remove them, "
+                        f"or set quality.on_bad_file = \"quarantine\" to train on the rest")
+    if src.bad_files:
+        print(f"[validate] quality.on_bad_file = quarantine: {len(src.bad_files)} files would be set aside")
     return 0
 
 
@@ -75,7 +85,8 @@ def cmd_train(cfg: config_mod.Config, args) -> int:
     for m in rows:
         print(f"{m['epoch']:>5}  {m['train_loss']:>10.4f}  {m.get('val_acc', float('nan')):>7.4f}  "
               f"{m.get('baseline_acc', float('nan')):>8.4f}  {m['rows_per_s']:>11,.0f}  {m['data_wait_pct']:>10.1f}")
-    print(f"\n[train] done in {summary['wall_s']:.1f}s; run folder {summary['run']}; checkpoint {summary['checkpoint']}; "
+    print(f"\n[rows] {summary['accounting_summary']}")
+    print(f"[train] done in {summary['wall_s']:.1f}s; run folder {summary['run']}; checkpoint {summary['checkpoint']}; "
           f"preprocessor {summary['preprocessor']}")
     return 0
 

@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 
@@ -30,6 +30,15 @@ class DataSection(_Section):
     numeric: tuple[str, ...] = Field(DEMO_NUMERIC, description="numeric feature columns")
     categorical: tuple[str, ...] = Field(DEMO_CATEGORICAL, description="categorical feature columns")
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="share of rows held out for validation")
+
+
+class QualitySection(_Section):
+    on_bad_file: Literal["fail", "quarantine"] = Field(
+        "fail", description="a shard (or row group) that cannot be read or has the wrong schema: stop, or set it aside")
+    on_bad_value: Literal["fail", "drop_row", "fill"] = Field(
+        "fill", description="null/NaN/inf feature, null or out-of-range label: stop, drop the row, or fill "
+                            "(features: fitted mean / unknown id; a bad label always drops its row)")
+    label_values: tuple[float, ...] = Field((0.0, 1.0), description="allowed label values")
 
 
 class GenerateSection(_Section):
@@ -58,6 +67,11 @@ class TrainSection(_Section):
     shuffle: Literal["local", "none"] = "local"
     max_failures: int = Field(0, ge=0, description="Ray Train restarts from the last checkpoint on worker loss")
 
+    @field_validator("use_gpu", mode="before")
+    @classmethod
+    def _bool_is_fine(cls, v):
+        return str(v).lower() if isinstance(v, bool) else v  # use_gpu = true in TOML or --train.use_gpu true
+
     @model_validator(mode="after")
     def _hidden_positive(self) -> "TrainSection":
         if not self.hidden or any(h < 1 for h in self.hidden):
@@ -83,6 +97,7 @@ class RunSection(_Section):
 
 class Config(_Section):
     data: DataSection = DataSection()
+    quality: QualitySection = QualitySection()
     generate: GenerateSection = GenerateSection()
     preprocess: PreprocessSection = PreprocessSection()
     train: TrainSection = TrainSection()
@@ -159,7 +174,7 @@ def load(path: str | Path | None = None, overrides: dict[str, Any] | None = None
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_explain(e, source, known)) from None
+        raise ConfigError(_explain(e, source, known, set(overrides or ()))) from None
 
 
 def _unknown(key: str, known: set[str], source: str, what: str = "key") -> str:
@@ -168,7 +183,7 @@ def _unknown(key: str, known: set[str], source: str, what: str = "key") -> str:
     return f"unknown config {what} '{key}' in {source}; {hint} Remove or rename it."
 
 
-def _explain(e: ValidationError, source: str, known: dict[str, Any]) -> str:
+def _explain(e: ValidationError, source: str, known: dict[str, Any], from_flags: set[str]) -> str:
     problems = []
     for err in e.errors():
         loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int))
@@ -180,7 +195,8 @@ def _explain(e: ValidationError, source: str, known: dict[str, Any]) -> str:
         if loc and err["type"] != "value_error":
             desc = getattr(known.get(loc), "description", None)
             got = err.get("input")
-            problems.append(f"config key '{loc}' in {source} is {got!r}: {msg}"
+            where = f"flag --{loc}" if loc in from_flags else source
+            problems.append(f"config key '{loc}' in {where} is {got!r}: {msg}"
                             + (f" ({loc}: {desc})" if desc else "") + "; set a valid value")
         else:
             problems.append(f"{msg} (in {source})")

@@ -11,6 +11,10 @@ from __future__ import annotations
 class PipelineError(Exception):
     """Bad input or configuration; the message is complete and meant for the user."""
 
+    def __init__(self, message: str):
+        # One paragraph, whatever the underlying library put in its own message.
+        super().__init__(" ".join(str(message).split()))
+
 
 class ConfigError(PipelineError):
     """The configuration (TOML file or flags) is invalid."""

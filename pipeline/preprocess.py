@@ -35,12 +35,12 @@ class NumericStats:
     m2: float = 0.0
     min: float = float("inf")
     max: float = float("-inf")
-    nulls: int = 0  # null or NaN
+    nulls: int = 0  # null, NaN or inf
 
     @classmethod
     def of(cls, values: np.ndarray) -> "NumericStats":
-        """values: float64, NaN where the input was null or NaN."""
-        ok = values[~np.isnan(values)]
+        """values: float64, NaN where the input was null; only finite values count (inf is a bad value)."""
+        ok = values[np.isfinite(values)]
         s = cls(nulls=int(values.size - ok.size))
         if ok.size:
             s.count = int(ok.size)
@@ -124,7 +124,7 @@ def partial_stats(table: pa.Table, numeric: list[str], categorical: list[str], l
 
 @dataclass(frozen=True)
 class Batch:
-    """Transformed arrays: float32 features, int64 category ids (0 = unknown or null), float32 label."""
+    """Transformed arrays: float32 features, int32 category ids (0 = unknown or null), float32 label."""
 
     x_num: np.ndarray
     x_cat: np.ndarray
@@ -186,14 +186,14 @@ class FittedPreprocessor:
         for j, (c, mean, std) in enumerate(zip(self.numeric, self.mean, self.std)):
             v = _as_float64(table[c])
             z = (v - mean) / std
-            z[np.isnan(z)] = 0.0  # null/NaN is filled with the fitted mean, which standardises to 0
+            z[~np.isfinite(z)] = 0.0  # null/NaN/inf is filled with the fitted mean, which standardises to 0
             x[:, j] = z
         for k, c in enumerate(self.indicators):
-            x[:, len(self.numeric) + k] = np.isnan(_as_float64(table[c]))
-        x_cat = np.empty((n, len(self.categorical)), dtype=np.int64)
+            x[:, len(self.numeric) + k] = ~np.isfinite(_as_float64(table[c]))
+        x_cat = np.empty((n, len(self.categorical)), dtype=np.int32)
         for j, (c, vocab) in enumerate(zip(self.categorical, self.vocab)):
             idx = pc.index_in(_as_string(table[c]), value_set=pa.array(vocab, type=pa.string()))
-            x_cat[:, j] = pc.fill_null(idx, -1).to_numpy(zero_copy_only=False).astype(np.int64) + 1
+            x_cat[:, j] = pc.fill_null(idx, -1).to_numpy(zero_copy_only=False) + 1
         y = None
         if with_label or (with_label is None and self.label in table.column_names):
             y = _as_float64(table[self.label]).astype(np.float32)
@@ -252,59 +252,111 @@ def _to_table(data: Any) -> pa.Table:
 # The Ray side: one pass to fit, one lazy dataset to transform
 
 
-def fragments_dataset(source):
+def fragments_dataset(source, skip: set[tuple[str, int]] = frozenset()):
     """A Ray Dataset with one row (one read task) per fragment, in global row order."""
     import ray
 
-    items = [{"path": f.path, "row_group": f.row_group, "row_start": f.row_start, "num_rows": f.num_rows}
-             for f in source.fragments]
+    items = [{"fragment": pickle.dumps(f)} for f in source.fragments if (f.path, f.row_group) not in skip]
     return ray.data.from_items(items, override_num_blocks=max(1, len(items)))
 
 
 def _fragments(batch: pa.Table):
-    from .source import Fragment
-
-    for row in batch.to_pylist():
-        yield Fragment(row["path"], row["row_group"], row["row_start"], row["num_rows"])
+    for blob in batch.column("fragment").to_pylist():
+        yield pickle.loads(blob)
 
 
-def fit(source, cfg) -> FittedPreprocessor:
-    """One distributed pass over the data; partial statistics merged on the driver."""
+def _read(uri: str, frag, columns: list[str], cfg) -> pa.Table | dict:
+    """The fragment's table, or (quality.on_bad_file = quarantine) a manifest entry saying why not."""
+    from .errors import DataError
     from .source import read_fragment
+
+    try:
+        return read_fragment(uri, frag, columns)
+    except (OSError, pa.ArrowException) as e:
+        rows = f"rows {frag.file_row_start}-{frag.file_row_start + frag.num_rows - 1}"
+        if cfg.quality.on_bad_file == "fail":
+            raise DataError(f"cannot decode row group {frag.row_group} ({rows}) of '{frag.path}': {e}. The file is "
+                            f"damaged behind a readable footer: rewrite it, or set quality.on_bad_file = "
+                            f"\"quarantine\" to set damaged row groups aside") from None
+        return {"file": frag.path, "row_group": frag.row_group, "row_start": frag.file_row_start,
+                "rows": frag.num_rows, "reason": f"cannot decode row group ({type(e).__name__}: {e})"}
+
+
+def fit(source, cfg):
+    """One distributed pass over the data: partial statistics merged on the driver, plus the row
+    accounting. Returns (FittedPreprocessor, Accounting)."""
+    from .errors import DataError
+    from .quality import Accounting, screen
 
     numeric, categorical, label = list(cfg.data.numeric), list(cfg.data.categorical), cfg.data.label
     columns = [*numeric, *categorical, label]
     uri = source.uri
 
     def fit_fragments(batch: pa.Table) -> dict[str, np.ndarray]:
-        parts = [pickle.dumps(partial_stats(read_fragment(uri, f, columns), numeric, categorical, label))
-                 for f in _fragments(batch)]
-        return {"partial": np.array(parts, dtype=object)}
+        out = []
+        for f in _fragments(batch):
+            try:
+                table = _read(uri, f, columns, cfg)
+                if isinstance(table, dict):
+                    out.append(pickle.dumps((f.num_rows, None, {}, table)))
+                    continue
+                kept, dropped = screen(table, f, cfg)
+                out.append(pickle.dumps((f.num_rows, partial_stats(kept, numeric, categorical, label), dropped, None)))
+            except DataError as e:
+                # Returned, not raised: Ray would wrap it in layers of task errors and print a traceback.
+                out.append(pickle.dumps((f.row_start, str(e))))
+        return {"partial": np.array(out, dtype=object)}
 
     rows = fragments_dataset(source).map_batches(fit_fragments, batch_format="pyarrow", batch_size=1).take_all()
     total = PartialStats()
-    for r in rows:
-        total = total.merge(pickle.loads(r["partial"]))
+    acct = Accounting()
+    acct.add_bad_files(source.bad_files)
+    records = [pickle.loads(r["partial"]) for r in rows]
+    errors = sorted(r for r in records if len(r) == 2)
+    if errors:
+        raise DataError(errors[0][1])
+    for n, part, dropped, quarantine in records:
+        acct.merge_fragment(n, part.rows if part else 0, dropped, quarantine)
+        if part is not None:
+            total = total.merge(part)
+    acct.quarantined.sort(key=lambda e: (e["file"], e["row_group"] if e["row_group"] is not None else -1))
+    if total.rows == 0:
+        raise DataError(f"no usable rows under '{source.uri}': {acct.summary()}; fix the data or the quality policy")
     p = cfg.preprocess
-    return FittedPreprocessor.from_stats(total, numeric, categorical, label, max_size=p.vocab_max_size,
-                                         min_count=p.vocab_min_count, missing_indicator=p.missing_indicator)
+    fitted = FittedPreprocessor.from_stats(total, numeric, categorical, label, max_size=p.vocab_max_size,
+                                           min_count=p.vocab_min_count, missing_indicator=p.missing_indicator)
+    return fitted, acct
 
 
-def transform_dataset(source, fitted: FittedPreprocessor):
-    """Lazy Ray Dataset of transformed rows: row_id, x_num [F] float32, x_cat [C] int64, y float32."""
-    from .source import read_fragment
+def transform_dataset(source, fitted: FittedPreprocessor, cfg, accounting=None):
+    """Lazy Ray Dataset of transformed rows: row_id, x_num [F] float32, x_cat [C] int32, y float32.
+
+    Row groups the fit pass quarantined are skipped; the same screen drops the same rows."""
+    from .errors import DataError
+    from .quality import screen
 
     columns = [*fitted.numeric, *fitted.categorical, fitted.label]
     uri = source.uri
+    skip = {(e["file"], e["row_group"]) for e in (accounting.quarantined if accounting else []) if e["row_group"] is not None}
+    f_, c_ = fitted.num_features, len(fitted.categorical)
 
     def read_transform(batch: pa.Table) -> dict[str, np.ndarray]:
         outs, ids = [], []
         for f in _fragments(batch):
-            outs.append(fitted.transform(read_fragment(uri, f, columns), with_label=True))
-            ids.append(np.arange(f.row_start, f.row_start + f.num_rows, dtype=np.int64))
+            table = _read(uri, f, columns, cfg)
+            if isinstance(table, dict):  # readable during fit, not now: the data changed under the run
+                raise DataError(f"'{f.path}' row group {f.row_group} could be read during fit but not now "
+                                f"({table['reason']}); do not modify data.path while a run is in progress")
+            table = table.append_column("__row_id", pa.array(np.arange(f.row_start, f.row_start + f.num_rows)))
+            kept, _ = screen(table, f, cfg)
+            outs.append(fitted.transform(kept, with_label=True))
+            ids.append(kept["__row_id"].to_numpy())
+        if not ids:
+            return {"row_id": np.empty(0, np.int64), "x_num": np.empty((0, f_), np.float32),
+                    "x_cat": np.empty((0, c_), np.int32), "y": np.empty(0, np.float32)}
         return {"row_id": np.concatenate(ids),
                 "x_num": np.concatenate([o.x_num for o in outs]),
                 "x_cat": np.concatenate([o.x_cat for o in outs]),
                 "y": np.concatenate([o.y for o in outs])}
 
-    return fragments_dataset(source).map_batches(read_transform, batch_format="pyarrow", batch_size=1)
+    return fragments_dataset(source, skip).map_batches(read_transform, batch_format="pyarrow", batch_size=1)

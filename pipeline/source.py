@@ -1,5 +1,10 @@
 """Shard discovery and footer checks, before any heavy work.
 
+`inspect` lists the shards, reads every footer in parallel and checks each file against the config:
+zero-byte files, wrong magic bytes, truncated or unreadable footers, missing columns, wrong types and
+types that drift between shards. Bad files fail the run with one clear paragraph, or (quality.on_bad_file
+= "quarantine") are set aside and accounted for.
+
 The unit of distributed work is a `Fragment`: one row group of one file, with its global row offset.
 Knowing every row's global id up front (from the footers alone) is what makes row accounting exact
 and the split across ranks a pure function of the data layout.
@@ -7,8 +12,10 @@ and the split across ranks a pure function of the data layout.
 
 from __future__ import annotations
 
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -18,16 +25,20 @@ from .config import Config
 from .errors import DataError
 
 _SKIP_PREFIXES = ("_", ".")  # _SUCCESS, _metadata, _common_metadata, .crc files, hidden files
+_MAGIC = b"PAR1"
+_HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
 
 
 @dataclass(frozen=True)
 class Fragment:
-    """One row group of one Parquet file, and where its rows start in the global row order."""
+    """One row group of one Parquet file, and where its rows start (globally and in the file)."""
 
     path: str
     row_group: int
     row_start: int
     num_rows: int
+    file_row_start: int = 0
+    partition: tuple[tuple[str, str | None], ...] = ()  # Spark/Hive key=value directories above the file
 
 
 @dataclass(frozen=True)
@@ -37,19 +48,35 @@ class Shard:
     row_group_rows: tuple[int, ...]
     size_bytes: int
     schema: pa.Schema
+    partition: tuple[tuple[str, str | None], ...] = ()
+
+
+@dataclass(frozen=True)
+class BadFile:
+    path: str
+    reason: str
+    rows: int | None  # None where the footer could not be read
+
+    def manifest(self) -> dict:
+        return {"file": self.path, "row_group": None, "rows": self.rows, "reason": self.reason}
 
 
 @dataclass(frozen=True)
 class Source:
-    """What validation found: the shards (in a fixed order) and the fragments to read."""
+    """What validation found: the good shards (in a fixed order), the fragments to read, the bad files."""
 
     uri: str
     shards: tuple[Shard, ...]
     fragments: tuple[Fragment, ...]
+    bad_files: tuple[BadFile, ...] = field(default_factory=tuple)
 
     @property
     def num_rows(self) -> int:
         return sum(s.num_rows for s in self.shards)
+
+    @property
+    def quarantined_rows(self) -> int:
+        return sum(b.rows or 0 for b in self.bad_files)
 
 
 def list_shards(uri: str) -> list[str]:
@@ -63,61 +90,144 @@ def list_shards(uri: str) -> list[str]:
         return [root]
     paths = [p for p in storage.list_files(fs, root)
              if not any(part.startswith(_SKIP_PREFIXES) for part in p[len(root):].split("/") if part)
-             and not p.endswith(".tmp")]
+             and not p.endswith((".tmp", ".crc"))]
     if not paths:
         raise DataError(f"no Parquet files under '{uri}'; point data.path at a directory holding *.parquet shards")
     return paths
 
 
-def _footer(fs, path: str) -> Shard:
+def partition_of(path: str, root: str) -> tuple[tuple[str, str | None], ...]:
+    """key=value directories between root and the file (Spark/Hive layout), values URL-decoded."""
+    parts = path[len(root):].strip("/").split("/")[:-1]
+    out = []
+    for part in parts:
+        if "=" in part:
+            k, v = part.split("=", 1)
+            v = unquote(v)
+            out.append((unquote(k), None if v == _HIVE_NULL else v))
+    return tuple(out)
+
+
+def _footer(fs, path: str, root: str) -> Shard | BadFile:
     try:
         with fs.open_input_file(path) as f:
             size = f.size()
+            if size == 0:
+                return BadFile(path, "file is empty (0 bytes)", 0)
+            head = f.read_at(4, 0)
+            tail = f.read_at(4, size - 4) if size >= 8 else b""
+            if head != _MAGIC:
+                return BadFile(path, f"not a Parquet file (starts with {head!r}, Parquet starts with {_MAGIC!r})", None)
+            if tail != _MAGIC:
+                return BadFile(path, f"truncated: {size} bytes and no Parquet footer at the end (ends with {tail!r})", None)
             md = pq.ParquetFile(f).metadata
             schema = md.schema.to_arrow_schema()
     except (OSError, pa.ArrowException) as e:
-        raise DataError(f"cannot read the Parquet footer of '{path}': {e}; the file is damaged or not Parquet, "
-                        f"rewrite it or remove it from data.path") from None
+        return BadFile(path, f"unreadable Parquet footer ({e})", None)
     groups = tuple(md.row_group(g).num_rows for g in range(md.num_row_groups))
-    return Shard(path, md.num_rows, groups, size, schema)
+    return Shard(path, md.num_rows, groups, size, schema, partition_of(path, root))
 
 
-def _check_columns(shard: Shard, cfg: Config) -> None:
-    names = set(shard.schema.names)
+def _family(t: pa.DataType) -> str:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if pa.types.is_boolean(t):
+        return "bool"
+    if pa.types.is_integer(t):
+        return "int"
+    if pa.types.is_floating(t) or pa.types.is_decimal(t):
+        return "float"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    return str(t)
+
+
+_NUMERIC = {"bool", "int", "float"}
+# Lossless (or customary) widening between shards is fine; anything else is drift.
+_COMPATIBLE = {"numeric": _NUMERIC, "label": _NUMERIC, "categorical": {"string"}}
+
+
+def column_types(shard: Shard) -> dict[str, str]:
+    """Type family of every column, partition keys (strings) included."""
+    out = {name: _family(shard.schema.field(name).type) for name in shard.schema.names}
+    for k, _ in shard.partition:
+        out.setdefault(k, "string")
+    return out
+
+
+def _column_problem(shard: Shard, cfg: Config, types: dict[str, str], majority: dict[str, str]) -> str | None:
     d = cfg.data
     for col, kind in [*((c, "numeric") for c in d.numeric), *((c, "categorical") for c in d.categorical),
                       (d.label, "label")]:
-        if col not in names:
-            raise DataError(f"column '{col}' (data.{kind if kind != 'label' else 'label'}) is missing from "
-                            f"'{shard.path}', which has: {', '.join(shard.schema.names)}; fix data.{kind} or the file")
-        t = shard.schema.field(col).type
-        if kind in ("numeric", "label") and not (pa.types.is_integer(t) or pa.types.is_floating(t)
-                                                  or pa.types.is_boolean(t) or pa.types.is_decimal(t)):
+        key = "label" if kind == "label" else kind
+        if col not in types:
+            return (f"column '{col}' (data.{key}) is missing; the file has: {', '.join(sorted(types))}. "
+                    f"Fix data.{key} or the file")
+        fam = types[col]
+        if kind in ("numeric", "label") and fam not in _NUMERIC:
             fix = "cast it upstream or list it under data.categorical" if kind == "numeric" else "cast it to int or bool upstream"
-            raise DataError(f"column '{col}' in '{shard.path}' is {t}, config says {kind} (a number); {fix}")
+            return f"column '{col}' is {fam}, config says {kind} (a number); {fix}"
+        if kind == "categorical" and fam not in _NUMERIC | {"string"}:
+            return f"column '{col}' is {fam}, config says categorical (string, integer or bool); cast it upstream"
+        if kind == "categorical" and fam != majority[col] and not (fam in {"int", "bool"} and majority[col] in {"int", "bool"}):
+            # '3' and 3.0 would become different categories: refuse rather than split a vocabulary silently.
+            return (f"column '{col}' is {fam} here but {majority[col]} in most shards (type drift); "
+                    f"write it with one type in every shard")
+    return None
 
 
 def inspect(cfg: Config, uri: str | None = None) -> Source:
-    """List shards, read every footer in parallel and check each file's columns against the config."""
+    """List shards, read every footer in parallel, check each file against the config."""
     uri = uri or cfg.data.path
     paths = list_shards(uri)
-    fs, _ = storage.filesystem(uri)
+    fs, root = storage.filesystem(uri)
     with ThreadPoolExecutor(max_workers=min(32, len(paths))) as pool:
-        shards = list(pool.map(lambda p: _footer(fs, p), paths))
-    for s in shards:
-        _check_columns(s, cfg)
+        found = list(pool.map(lambda p: _footer(fs, p, root), paths))
+    good = [s for s in found if isinstance(s, Shard)]
+    bad = [b for b in found if isinstance(b, BadFile)]
+    types = {s.path: column_types(s) for s in good}
+    majority = {}
+    for col in cfg.feature_columns:
+        seen = Counter(t[col] for t in types.values() if col in t)
+        majority[col] = seen.most_common(1)[0][0] if seen else "missing"
+    shards = []
+    for s in good:
+        problem = _column_problem(s, cfg, types[s.path], majority)
+        if problem is None:
+            shards.append(s)
+        else:
+            bad.append(BadFile(s.path, problem, s.num_rows))
+    bad.sort(key=lambda b: b.path)
+    if bad and cfg.quality.on_bad_file == "fail":
+        first = bad[0]
+        more = f" ({len(bad) - 1} more bad files are listed by `python -m pipeline validate`)" if len(bad) > 1 else ""
+        raise DataError(f"'{first.path}': {first.reason}.{more} Rewrite or remove the file, or set "
+                        f"quality.on_bad_file = \"quarantine\" to set bad files aside and train on the rest")
+    if not shards:
+        raise DataError(f"none of the {len(paths)} files under '{uri}' is usable (first problem: '{bad[0].path}': "
+                        f"{bad[0].reason}); fix the data or data.path")
     fragments = []
     offset = 0
     for s in shards:
+        in_file = 0
         for g, n in enumerate(s.row_group_rows):
             if n:
-                fragments.append(Fragment(s.path, g, offset, n))
+                fragments.append(Fragment(s.path, g, offset, n, in_file, s.partition))
             offset += n
-    return Source(uri, tuple(shards), tuple(fragments))
+            in_file += n
+    return Source(uri, tuple(shards), tuple(fragments), tuple(bad))
 
 
 def read_fragment(uri: str, frag: Fragment, columns: list[str]) -> pa.Table:
-    """Read one row group, only the named columns (column pushdown)."""
+    """Read one row group, only the named columns (column pushdown), with page checksums verified where
+    the writer stored them; partition keys named in `columns` come from the path."""
     fs, _ = storage.filesystem(uri)
+    part = dict(frag.partition)
     with fs.open_input_file(frag.path) as f:
-        return pq.ParquetFile(f).read_row_group(frag.row_group, columns=columns)
+        pf = pq.ParquetFile(f, page_checksum_verification=True)
+        names = set(pf.schema_arrow.names)
+        table = pf.read_row_group(frag.row_group, columns=[c for c in columns if c in names])
+    for c in columns:
+        if c not in names and c in part:
+            table = table.append_column(c, pa.array([part[c]] * table.num_rows, type=pa.string()))
+    return table.select(columns)

@@ -29,6 +29,7 @@ from .sampler import BatchSampler
 
 CHECKPOINT_FILE = "state.pt"
 PREPROCESSOR_FILE = "preprocessor.json"
+QUARANTINE_FILE = "quarantine.jsonl"
 
 
 class TabularMLP(nn.Module):
@@ -214,37 +215,32 @@ def make_data_config():
     return RowRangeSplit()
 
 
-def check_label(fitted: FittedPreprocessor, uri: str) -> None:
-    counts = fitted.stats.get("label_counts", {})
-    allowed = {"0", "1", "0.0", "1.0", "true", "false"}
-    bad = {v: n for v, n in counts.items() if v not in allowed}
-    if bad or len(counts) == 0:
-        raise DataError(f"label column '{fitted.label}' under '{uri}' must be binary (0/1 or bool), found values "
-                        f"{sorted(bad) if bad else 'none'} ({sum(bad.values())} rows); map it to 0/1 upstream "
-                        f"or set data.label to a binary column")
-
-
 def run_name(cfg: Config) -> str:
     """A fresh folder per run, unless resuming: re-running a command never silently continues an old run."""
     return cfg.run.name if cfg.run.resume else f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def fit_preprocessor(cfg: Config, out_uri: str) -> tuple[source.Source, FittedPreprocessor]:
+def fit_preprocessor(cfg: Config, out_uri: str):
+    """Validate, then one distributed pass: the fitted preprocessor (saved) and the row accounting."""
     src = source.inspect(cfg)
-    print(f"[fit] {len(src.shards)} shards, {src.num_rows:,} rows, {len(src.fragments)} row groups under {src.uri}",
+    bad = f"; {len(src.bad_files)} bad files quarantined" if src.bad_files else ""
+    print(f"[fit] {len(src.shards)} shards, {src.num_rows:,} rows, {len(src.fragments)} row groups under {src.uri}{bad}",
           flush=True)
+    t0 = time.perf_counter()
+    fitted, acct = preprocess.fit(src, cfg)
     saved = storage.join(out_uri, PREPROCESSOR_FILE)
     if cfg.run.resume and storage.exists(*storage.filesystem(saved)):
         print(f"[fit] resuming: using the preprocessor fitted earlier, {saved}", flush=True)
-        return src, FittedPreprocessor.load(saved)
-    t0 = time.perf_counter()
-    fitted = preprocess.fit(src, cfg)
-    check_label(fitted, src.uri)
-    fitted.save(storage.join(out_uri, PREPROCESSOR_FILE))
+        fitted = FittedPreprocessor.load(saved)
+    else:
+        fitted.save(saved)
+    if acct.quarantined:
+        storage.write_text(storage.join(out_uri, QUARANTINE_FILE), acct.manifest_jsonl())
     print(f"[fit] one pass in {time.perf_counter() - t0:.1f}s: {fitted.num_features} numeric features, "
-          f"vocab sizes {dict(zip(fitted.categorical, (len(v) for v in fitted.vocab)))}; saved "
-          f"{storage.join(out_uri, PREPROCESSOR_FILE)}", flush=True)
-    return src, fitted
+          f"vocab sizes {dict(zip(fitted.categorical, (len(v) for v in fitted.vocab)))}; saved {saved}", flush=True)
+    print(f"[rows] {acct.summary()}" + (f"; manifest {storage.join(out_uri, QUARANTINE_FILE)}" if acct.quarantined else ""),
+          flush=True)
+    return src, fitted, acct
 
 
 def run(cfg: Config) -> dict[str, Any]:
@@ -256,11 +252,15 @@ def run(cfg: Config) -> dict[str, Any]:
     name = run_name(cfg)
     out_uri = storage.join(cfg.run.output, name)
     t_start = time.perf_counter()
-    src, fitted = fit_preprocessor(cfg, out_uri)
+    src, fitted, acct = fit_preprocessor(cfg, out_uri)
 
     t0 = time.perf_counter()
-    ds = preprocess.transform_dataset(src, fitted).materialize()
-    print(f"[transform] {ds.count():,} rows in {time.perf_counter() - t0:.1f}s", flush=True)
+    ds = preprocess.transform_dataset(src, fitted, cfg, acct).materialize()
+    n = ds.count()
+    print(f"[transform] {n:,} rows in {time.perf_counter() - t0:.1f}s", flush=True)
+    if n != acct.rows_used or not acct.balanced:
+        raise DataError(f"row accounting does not balance: the transform produced {n:,} rows but the fit pass "
+                        f"counted {acct.summary()}; was data.path modified during the run?")
 
     use_gpu = cfg.train.use_gpu == "true" or (cfg.train.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
     storage_path = cfg.run.output if not storage.is_local(cfg.run.output) else os.path.abspath(cfg.run.output)
@@ -280,7 +280,7 @@ def run(cfg: Config) -> dict[str, Any]:
     if not history and result.checkpoint is not None:
         with result.checkpoint.as_directory() as d:
             history = torch.load(os.path.join(d, CHECKPOINT_FILE), weights_only=False)["history"]
-    summary = {"run": out_uri, "rows_read": src.num_rows, "epochs": history, "checkpoint": result.checkpoint.path if result.checkpoint else None,
+    summary = {"run": out_uri, "rows_read": acct.rows_read, "accounting": acct.as_dict(), "accounting_summary": acct.summary(), "epochs": history, "checkpoint": result.checkpoint.path if result.checkpoint else None,
                "preprocessor": storage.join(out_uri, PREPROCESSOR_FILE), "use_gpu": use_gpu,
                "wall_s": round(time.perf_counter() - t_start, 2)}
     storage.write_json(storage.join(out_uri, "metrics.json"), summary)

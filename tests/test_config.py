@@ -48,3 +48,10 @@ def test_unknown_flag_and_missing_file(tmp_path):
         config.load(None, {"train.lrr": 1})
     with pytest.raises(ConfigError, match="does not exist"):
         config.load(tmp_path / "nope.toml")
+
+
+def test_use_gpu_takes_booleans_and_bad_flags_are_blamed_on_the_flag():
+    assert config.load(None, {"train.use_gpu": True}).train.use_gpu == "true"
+    assert config.load(None, {"train.use_gpu": config.parse_flag_value("false")}).train.use_gpu == "false"
+    with pytest.raises(ConfigError, match="flag --train.epochs"):
+        config.load("configs/demo.toml", {"train.epochs": "many"})

@@ -29,7 +29,8 @@ def test_distributed_fit_equals_single_process_fit(ray_local, demo_dir):
     cfg = make_config(demo_dir)
     src = source.inspect(cfg)
     assert src.num_rows == 24_000 and len(src.shards) == 4
-    dist = preprocess.fit(src, cfg)
+    dist, acct = preprocess.fit(src, cfg)
+    assert acct.balanced and acct.rows_used == 24_000 and not acct.quarantined
     ref = local_fit(cfg, [s.path for s in src.shards])
     np.testing.assert_allclose(dist.mean, ref.mean, rtol=1e-12)
     np.testing.assert_allclose(dist.std, ref.std, rtol=1e-10)
@@ -40,9 +41,9 @@ def test_distributed_fit_equals_single_process_fit(ray_local, demo_dir):
 def test_training_path_arrays_equal_serving_path(ray_local, demo_dir, tmp_path):
     cfg = make_config(demo_dir)
     src = source.inspect(cfg)
-    fitted = preprocess.fit(src, cfg)
+    fitted, _ = preprocess.fit(src, cfg)
     fitted.save(str(tmp_path / "p.json"))
-    rows = preprocess.transform_dataset(src, fitted).take_all()
+    rows = preprocess.transform_dataset(src, fitted, cfg).take_all()
     assert sorted(r["row_id"] for r in rows) == list(range(src.num_rows))  # every row once
     rows.sort(key=lambda r: r["row_id"])
     served = FittedPreprocessor.load(str(tmp_path / "p.json")).transform(

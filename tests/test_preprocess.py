@@ -52,7 +52,7 @@ def reference(df_fit: pd.DataFrame, df: pd.DataFrame, max_size=100, min_count=1)
         kept = sorted(((v, n) for v, n in counts.items() if n >= min_count), key=lambda t: (-t[1], t[0]))[:max_size]
         lookup = {v: i + 1 for i, (v, _) in enumerate(kept)}
         ids.append(df[c].map(lambda v: lookup.get(str(v), 0) if v is not None and v == v else 0).to_numpy())
-    return x, np.stack(ids, 1).astype(np.int64)
+    return x, np.stack(ids, 1).astype(np.int32)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -64,7 +64,7 @@ def test_transform_matches_reference_with_nulls_constants_and_unseen(seed):
     fitted = fit_local(df_fit)
     x_ref, ids_ref = reference(df_fit, df_new)
     out = fitted.transform(df_new)
-    assert out.x_num.dtype == np.float32 and out.x_cat.dtype == np.int64 and out.y.dtype == np.float32
+    assert out.x_num.dtype == np.float32 and out.x_cat.dtype == np.int32 and out.y.dtype == np.float32
     np.testing.assert_allclose(out.x_num, x_ref, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(out.x_cat, ids_ref)
     assert (out.x_cat[::7, 0] == 0).all() and (out.x_cat[::11, 1] == 0).all()  # unseen -> 0
