@@ -64,7 +64,11 @@ class TrainSection(_Section):
     use_gpu: Literal["auto", "true", "false"] = "auto"
     seed: int = 0
     drop_last: bool = Field(True, description="drop each epoch's last partial batch (the remainder is reported)")
-    shuffle: Literal["local", "none"] = "local"
+    shuffle: Literal["local", "global", "none"] = Field(
+        "local", description="local: new permutation within each rank's rows every epoch (free); global: rows "
+                             "re-dealt across ranks every epoch (each rank holds all rows: world_size x memory)")
+    checkpoint_every_steps: int = Field(0, ge=0, description="also checkpoint mid-epoch every N steps (0: epoch ends only)")
+    trace_batches: bool = Field(False, description="write each rank's per-step row-id digests to <run>/trace-rank<r>.txt")
     max_failures: int = Field(0, ge=0, description="Ray Train restarts from the last checkpoint on worker loss")
 
     @field_validator("use_gpu", mode="before")

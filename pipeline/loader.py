@@ -50,6 +50,11 @@ class _Position:
         if epoch != self._epoch_of_delivered:
             self._epoch_of_delivered, self._delivered = epoch, self.sampler.step
 
+    @property
+    def delivered(self) -> int:
+        """Batches handed to the caller so far in the current epoch."""
+        return self._delivered
+
     def state_dict(self) -> dict[str, Any]:
         state = self.sampler.state_dict()
         # The sampler may have run ahead (prefetch); what counts is what the caller received.
@@ -68,8 +73,8 @@ class _Position:
 class DeviceLoader(_Position):
     def __init__(self, dataset: TabularDataset, sampler: BatchSampler, device: torch.device | str = "cpu", *,
                  placement: str = "auto", prefetch: int = 2, device_memory_fraction: float = 0.5):
-        if len(dataset) != sampler.num_rows:
-            raise ValueError(f"sampler is for {sampler.num_rows} rows but the dataset has {len(dataset)}")
+        if len(dataset) != sampler.dataset_rows:
+            raise ValueError(f"sampler is for {sampler.dataset_rows} rows but the dataset has {len(dataset)}")
         self.device = torch.device(device)
         self.sampler = sampler
         self.prefetch = max(1, prefetch)
@@ -78,6 +83,7 @@ class DeviceLoader(_Position):
         self._ring: list[tuple[torch.Tensor, torch.cuda.Event | None]] | None = None  # pinned packed buffers
         self._delivered = 0  # batches handed to the caller in the epoch below
         self._epoch_of_delivered = sampler.epoch
+        self.last_index: torch.Tensor | None = None  # dataset indices of the batch last delivered
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -106,7 +112,8 @@ class DeviceLoader(_Position):
         gather, i32 = torch.index_select, torch.int32
         perm = self.sampler.order(self.sampler.epoch)
         for start, stop in self.sampler.spans():
-            r = gather(rows, 0, perm[start:stop])
+            self.last_index = idx = perm[start:stop]
+            r = gather(rows, 0, idx)
             self._delivered += 1
             yield Batch(r[:, :f], r[:, f:fc].view(i32), r[:, fc])
 
@@ -117,7 +124,8 @@ class DeviceLoader(_Position):
         get = self.dataset.get_batch
         for start, stop in self.sampler.spans():
             self._delivered += 1
-            yield get(perm[start:stop])
+            self.last_index = idx = perm[start:stop]
+            yield get(idx)
 
     # -- CUDA, pinned host ring + side-stream copies -------------------------------------------
 
@@ -127,7 +135,7 @@ class DeviceLoader(_Position):
             self._ring = [(ds.alloc_batch(self.sampler.batch_size, pin=True), None) for _ in range(self.prefetch + 1)]
         ring = self._ring
         copy_stream = torch.cuda.Stream(self.device)
-        pending: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()
+        pending: deque[tuple[torch.Tensor, torch.cuda.Event, torch.Tensor]] = deque()
         slot = 0
 
         def launch(idx: torch.Tensor) -> None:
@@ -142,7 +150,7 @@ class DeviceLoader(_Position):
                 ready.record(copy_stream)
             ring[slot] = (buf, ready)
             slot = (slot + 1) % len(ring)
-            pending.append((dev, ready))
+            pending.append((dev, ready, idx))
 
         indices = iter(self.sampler)
         for _ in range(self.prefetch):
@@ -152,7 +160,7 @@ class DeviceLoader(_Position):
             launch(idx)
         compute = torch.cuda.current_stream(self.device)
         while pending:
-            dev, ready = pending.popleft()
+            dev, ready, self.last_index = pending.popleft()
             compute.wait_event(ready)
             dev.record_stream(compute)  # allocated on the copy stream, used on the compute stream
             idx = next(indices, None)

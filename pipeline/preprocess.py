@@ -257,7 +257,10 @@ def fragments_dataset(source, skip: set[tuple[str, int]] = frozenset()):
     import ray
 
     items = [{"fragment": pickle.dumps(f)} for f in source.fragments if (f.path, f.row_group) not in skip]
-    return ray.data.from_items(items, override_num_blocks=max(1, len(items)))
+    ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))
+    # Blocks must come out in fragment order: the split across ranks is by position in this order.
+    ds.context.execution_options.preserve_order = True
+    return ds
 
 
 def _fragments(batch: pa.Table):

@@ -34,11 +34,14 @@ class BatchSampler:
     """Yields int64 index tensors into the rank's dataset, `len(self)` of them per epoch.
 
     shuffle=True draws a new permutation of the rank's rows every epoch (shuffle mode `local`).
+    global_rows=N (shuffle mode `global`): the dataset holds all N rows on every rank; each epoch one
+    permutation of all N (the same on every rank) is cut into contiguous, equal shares, rank r taking
+    share r, so rows are re-dealt across ranks every epoch. num_rows is then the rank's share.
     State: `state_dict()` taken after k batches of an epoch resumes at batch k of that epoch.
     """
 
     def __init__(self, num_rows: int, batch_size: int, *, seed: int = 0, shuffle: bool = True, drop_last: bool = True,
-                 rank: int = 0, rank_sizes: Sequence[int] | None = None):
+                 rank: int = 0, rank_sizes: Sequence[int] | None = None, global_rows: int | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.rank_sizes = tuple(int(s) for s in (rank_sizes if rank_sizes is not None else [num_rows]))
@@ -48,6 +51,9 @@ class BatchSampler:
             empty = [r for r, s in enumerate(self.rank_sizes) if s == 0]
             raise PipelineError(f"ranks {empty} received no rows (sizes {list(self.rank_sizes)}); use fewer workers "
                                 f"(train.num_workers) or more data")
+        self.global_rows = global_rows
+        if global_rows is not None and sum(self.rank_sizes) != global_rows:
+            raise ValueError(f"global shuffle: rank_sizes {list(self.rank_sizes)} do not add up to {global_rows}")
         self.num_rows, self.batch_size, self.seed = num_rows, batch_size, seed
         self.shuffle, self.drop_last, self.rank = shuffle, drop_last, rank
         self.steps = steps_per_epoch(self.rank_sizes, batch_size, drop_last)
@@ -60,6 +66,11 @@ class BatchSampler:
 
     def __len__(self) -> int:
         return self.steps
+
+    @property
+    def dataset_rows(self) -> int:
+        """Rows the indices point into: the rank's rows, or all rows in global mode."""
+        return self.global_rows if self.global_rows is not None else self.num_rows
 
     @property
     def dropped_rows(self) -> int:
@@ -77,7 +88,12 @@ class BatchSampler:
 
     def order(self, epoch: int) -> torch.Tensor:
         """This rank's row order for an epoch, long enough for `len(self)` batches."""
-        if self.shuffle:
+        if self.global_rows is not None:
+            lo = sum(self.rank_sizes[: self.rank])
+            everyone = torch.randperm(self.global_rows, generator=_generator(self.seed, epoch, -1)) if self.shuffle \
+                else torch.arange(self.global_rows)
+            perm = everyone[lo: lo + self.num_rows].clone()
+        elif self.shuffle:
             perm = torch.randperm(self.num_rows, generator=_generator(self.seed, epoch, self.rank))
         else:
             perm = torch.arange(self.num_rows)
@@ -106,12 +122,12 @@ class BatchSampler:
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "step": self.step, "seed": self.seed, "batch_size": self.batch_size,
                 "shuffle": self.shuffle, "drop_last": self.drop_last, "rank": self.rank,
-                "rank_sizes": list(self.rank_sizes)}
+                "rank_sizes": list(self.rank_sizes), "global_rows": self.global_rows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = self.state_dict()
-        for key in ("seed", "batch_size", "shuffle", "drop_last", "rank_sizes", "rank"):
-            if state[key] != mine[key]:
+        for key in ("seed", "batch_size", "shuffle", "drop_last", "rank_sizes", "rank", "global_rows"):
+            if state.get(key) != mine[key]:
                 raise PipelineError(
                     f"cannot resume exactly: the checkpoint's loader has {key}={state[key]!r} but this run has "
                     f"{mine[key]!r}; resume with the same data, train.batch_size, train.seed and train.num_workers, "

@@ -8,6 +8,7 @@ and checkpoints.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import time
@@ -135,9 +136,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
     full = TabularDataset.from_ray(ray.train.get_dataset_shard("train"))
     train_ds, val_ds = full.split_holdout(cfg.data.val_fraction, t.seed)
     del full
-    sizes = _all_gather_int(len(train_ds))
-    sampler = BatchSampler(len(train_ds), t.batch_size, seed=t.seed, shuffle=t.shuffle == "local",
-                           drop_last=t.drop_last, rank=rank, rank_sizes=sizes)
+    if t.shuffle == "global":  # every rank holds all rows; the sampler deals a new share each epoch
+        sizes = rank_sizes(len(train_ds), world)
+        lo, hi = rank_bounds(len(val_ds), world, rank)
+        val_ds = val_ds.subset(torch.arange(lo, hi))
+        sampler = BatchSampler(sizes[rank], t.batch_size, seed=t.seed, shuffle=True, drop_last=t.drop_last,
+                               rank=rank, rank_sizes=sizes, global_rows=len(train_ds))
+    else:
+        sizes = _all_gather_int(len(train_ds))
+        sampler = BatchSampler(len(train_ds), t.batch_size, seed=t.seed, shuffle=t.shuffle == "local",
+                               drop_last=t.drop_last, rank=rank, rank_sizes=sizes)
     loader = DeviceLoader(train_ds, sampler, device, placement=cfg.loader.placement, prefetch=cfg.loader.prefetch,
                           device_memory_fraction=cfg.loader.device_memory_fraction)
 
@@ -162,6 +170,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
 
     fitted_json, cfg_json = json.dumps(fitted.to_dict()), json.dumps(cfg.to_dict())
     loss_fn = nn.BCEWithLogitsLoss()
+    trace = open(os.path.join(loop_config["run_dir"], f"trace-rank{rank}.txt"), "a") \
+        if t.trace_batches and loop_config.get("run_dir") else None
+    every = t.checkpoint_every_steps
     start_epoch = loader.state_dict()["epoch"]
     for epoch in range(start_epoch, t.epochs):
         loader.set_epoch(epoch)
@@ -175,6 +186,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
             loss.backward()
             optimizer.step()
             loss_sum += loss.detach()  # no .item() per step: that would sync the GPU every batch
+            step = loader.state_dict()["step"]
+            if trace is not None:
+                ids = train_ds.row_id[loader.last_index.cpu()].numpy()
+                trace.write(f"{epoch} {loader.delivered} {hashlib.sha1(ids.tobytes()).hexdigest()[:16]}\n")
+                trace.flush()
+            if every and step and step % every == 0:  # mid-epoch: every rank reports (a collective)
+                ckpt_mid = _save_checkpoint(model, optimizer, loader, history, fitted_json, cfg_json) if rank == 0 else None
+                ray.train.report({"epoch": epoch, "step": step, "mid_epoch": True}, checkpoint=ckpt_mid)
         wall = time.perf_counter() - t0
         loss_total, steps, rows, wait, busy, wall_max = _all_reduce_sum(
             [loss_sum.item(), stats.steps, stats.rows, stats.data_wait_s, stats.total_s, wall], device)
@@ -196,9 +215,20 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
 # On the driver
 
 
-def make_data_config():
-    """Contiguous, equal row ranges per rank (sizes differ by at most one row), in global row order,
-    so which rows a rank owns is a pure function of the data layout and the world size."""
+def rank_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
+    """Rank r's contiguous share [lo, hi) of n rows: sizes differ by at most one, none is skipped."""
+    return n * rank // world, n * (rank + 1) // world
+
+
+def rank_sizes(n: int, world: int) -> list[int]:
+    return [hi - lo for lo, hi in (rank_bounds(n, world, r) for r in range(world))]
+
+
+def make_data_config(whole: bool = False):
+    """Rank r gets rows [r*N/W, (r+1)*N/W) in global row order (whole=True: every rank gets all rows,
+    for global shuffle). Which rows a rank owns is a pure function of the data layout and the world
+    size; Ray's locality-aware streaming split is not used, since its assignment depends on where
+    blocks happen to live and would make the order irreproducible."""
     from ray.train import DataConfig
 
     class RowRangeSplit(DataConfig):
@@ -206,8 +236,11 @@ def make_data_config():
             out = [{} for _ in range(world_size)]
             for name, ds in datasets.items():
                 n = ds.count()
-                bounds = [n * r // world_size for r in range(1, world_size)]
-                for r, part in enumerate(ds.split_at_indices(bounds)):
+                if whole or world_size == 1:
+                    parts = [ds] * world_size
+                else:
+                    parts = ds.split_at_indices([rank_bounds(n, world_size, r)[0] for r in range(1, world_size)])
+                for r, part in enumerate(parts):
                     part.context.enable_progress_bars = False  # a worker's read of its range takes < 1 s
                     out[r][name] = part.iterator()
             return out
@@ -266,11 +299,12 @@ def run(cfg: Config) -> dict[str, Any]:
     storage_path = cfg.run.output if not storage.is_local(cfg.run.output) else os.path.abspath(cfg.run.output)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": cfg.to_dict(), "fitted": fitted.to_dict()},
+        train_loop_config={"config": cfg.to_dict(), "fitted": fitted.to_dict(),
+                           "run_dir": os.path.abspath(out_uri) if storage.is_local(out_uri) else None},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=use_gpu,
                                      resources_per_worker=None if use_gpu else {"CPU": 1}),
         datasets={"train": ds},
-        dataset_config=make_data_config(),
+        dataset_config=make_data_config(whole=cfg.train.shuffle == "global"),
         run_config=RunConfig(name=name, storage_path=storage_path,
                              checkpoint_config=CheckpointConfig(num_to_keep=2),
                              failure_config=FailureConfig(max_failures=cfg.train.max_failures)),

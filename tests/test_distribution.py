@@ -1,0 +1,123 @@
+"""Sharding and order across ranks: disjoint shares whose union is every row, equal steps on every
+rank whatever the file layout, order a pure function of (seed, epoch, rank, world), global shuffle."""
+
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import make_config
+from helpers import numbered_dataset, rows_of
+from pipeline import preprocess, source
+from pipeline.demo import _shard
+from pipeline.loader import DeviceLoader
+from pipeline.sampler import BatchSampler
+from pipeline.train import make_data_config, rank_bounds, rank_sizes
+
+LAYOUTS = {
+    "fewer_files_than_ranks": [700],
+    "one_huge_many_tiny": [2000] + [3] * 9,
+    "empty_files": [0, 500, 0, 0, 321, 0],
+    "even": [250] * 4,
+}
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    out = {}
+    for name, sizes in LAYOUTS.items():
+        d = tmp_path_factory.mktemp(name)
+        for i, n in enumerate(sizes):
+            pq.write_table(_shard(n, 0, i) if n else _shard(1, 0, i).slice(0, 0), str(d / f"part-{i:03d}.parquet"),
+                           row_group_size=200)
+        out[name] = str(d)
+    return out
+
+
+_MATERIALISED = {}
+
+
+def shares_through_ray(path, world, whole=False):
+    """Row ids each rank receives from the real Ray Train split (DataConfig.configure) of the real dataset."""
+    if path not in _MATERIALISED:
+        cfg = make_config(path)
+        src = source.inspect(cfg)
+        fitted, acct = preprocess.fit(src, cfg)
+        _MATERIALISED[path] = (preprocess.transform_dataset(src, fitted, cfg, acct).materialize(), src)
+    ds, src = _MATERIALISED[path]
+    its = make_data_config(whole=whole).configure({"train": ds}, world, None, None)
+    return [np.concatenate([b["row_id"] for b in it["train"].iter_batches(batch_size=None, batch_format="numpy")])
+            for it in its], src.num_rows
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_ranks_get_disjoint_equal_shares_covering_every_row(ray_local, layouts, layout):
+    for world in (1, 2, 3, 4):
+        shares, n = shares_through_ray(layouts[layout], world)
+        sizes = [len(s) for s in shares]
+        assert max(sizes) - min(sizes) <= 1, (layout, world, sizes)
+        assert sorted(np.concatenate(shares).tolist()) == list(range(n))  # disjoint, union = all
+        assert sizes == rank_sizes(n, world)
+        for r, s in enumerate(shares):  # contiguous range in global row order: a pure function of layout
+            lo, hi = rank_bounds(n, world, r)
+            assert s.tolist() == list(range(lo, hi))
+        for drop_last in (True, False):
+            batch = 16
+            if drop_last and min(sizes) < batch:
+                continue
+            steps = {len(BatchSampler(sz, batch, rank=r, rank_sizes=sizes, drop_last=drop_last))
+                     for r, sz in enumerate(sizes)}
+            assert len(steps) == 1
+
+
+@pytest.mark.ray
+def test_global_mode_gives_every_rank_all_rows(ray_local, layouts):
+    shares, n = shares_through_ray(layouts["even"], 3, whole=True)
+    assert all(sorted(s.tolist()) == list(range(n)) for s in shares)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_global_shuffle_redeals_rows_every_epoch(world, drop_last):
+    n, batch = 1003, 10
+    sizes = rank_sizes(n, world)
+    ds = numbered_dataset(n)
+
+    def epoch_rows(epoch):
+        per_rank = []
+        for r in range(world):
+            s = BatchSampler(sizes[r], batch, seed=4, rank=r, rank_sizes=sizes, global_rows=n, drop_last=drop_last)
+            loader = DeviceLoader(ds, s, "cpu")
+            loader.set_epoch(epoch)
+            per_rank.append([x for b in loader for x in rows_of(b)])
+        return per_rank
+
+    e0, e1 = epoch_rows(0), epoch_rows(1)
+    assert epoch_rows(0) == e0  # reproducible
+    for rows in (e0, e1):
+        flat = [x for p in rows for x in p]
+        if drop_last:
+            assert len(flat) == len(set(flat)) and n - len(flat) <= world * batch - 1
+        else:
+            assert set(flat) == set(range(n))
+        assert len({len(p) for p in rows}) == 1 or not drop_last
+    if world > 1:  # rows move between ranks from one epoch to the next
+        assert set(e0[0]) != set(e1[0])
+
+
+def test_order_is_identical_in_another_process():
+    """Same (seed, epoch, rank, world) in a fresh interpreter gives the same order."""
+    import subprocess
+    import sys
+
+    code = ("from pipeline.sampler import BatchSampler;"
+            "s=BatchSampler(1000, 10, seed=9, rank=1, rank_sizes=[1000, 1000]);"
+            "s.set_epoch(3); print(s.order(3)[:50].tolist())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__))).stdout
+    here = BatchSampler(1000, 10, seed=9, rank=1, rank_sizes=[1000, 1000]).order(3)[:50].tolist()
+    assert out.strip() == str(here)
+    assert here != BatchSampler(1000, 10, seed=9, rank=1, rank_sizes=[1000, 1000]).order(4)[:50].tolist()
