@@ -19,12 +19,12 @@ def init_ray(cfg: Config) -> None:
 
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     # Train V2 prints a line per internal state change; a user wants the epoch lines.
     os.environ.setdefault("RAY_TRAIN_ENABLE_CONTROLLER_STRUCTURED_LOGGING", "0")
     os.environ.setdefault("RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING", "0")
-    kwargs = dict(logging_level=logging.WARNING, configure_logging=True,
-                  runtime_env={"env_vars": {"RAY_DEDUP_LOGS": "1"}})
+    # No runtime_env here: inside `ray job submit` the job's own (jobs/runtime_env.yaml) applies, and Ray
+    # refuses to start a driver whose ray.init(runtime_env=...) sets a variable that one sets too.
+    kwargs = dict(logging_level=logging.WARNING, configure_logging=True)
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS") or "local"
     if address == "local":
         cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, cfg.train.num_workers + 2)

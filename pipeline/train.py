@@ -296,7 +296,9 @@ def run(cfg: Config) -> dict[str, Any]:
                         f"counted {acct.summary()}; was data.path modified during the run?")
 
     use_gpu = cfg.train.use_gpu == "true" or (cfg.train.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
-    storage_path = cfg.run.output if not storage.is_local(cfg.run.output) else os.path.abspath(cfg.run.output)
+    # Ray Train writes through the filesystem pipeline.storage builds (same endpoint, addressing style
+    # and credentials as every other read and write), pickled to its controller and workers.
+    storage_path, storage_filesystem = storage.ray_storage(cfg.run.output)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "fitted": fitted.to_dict(),
@@ -305,7 +307,7 @@ def run(cfg: Config) -> dict[str, Any]:
                                      resources_per_worker=None if use_gpu else {"CPU": 1}),
         datasets={"train": ds},
         dataset_config=make_data_config(whole=cfg.train.shuffle == "global"),
-        run_config=RunConfig(name=name, storage_path=storage_path,
+        run_config=RunConfig(name=name, storage_path=storage_path, storage_filesystem=storage_filesystem,
                              checkpoint_config=CheckpointConfig(num_to_keep=2),
                              failure_config=FailureConfig(max_failures=cfg.train.max_failures)),
     )
@@ -314,7 +316,7 @@ def run(cfg: Config) -> dict[str, Any]:
     if not history and result.checkpoint is not None:
         with result.checkpoint.as_directory() as d:
             history = torch.load(os.path.join(d, CHECKPOINT_FILE), weights_only=False)["history"]
-    summary = {"run": out_uri, "rows_read": acct.rows_read, "accounting": acct.as_dict(), "accounting_summary": acct.summary(), "epochs": history, "checkpoint": result.checkpoint.path if result.checkpoint else None,
+    summary = {"run": out_uri, "rows_read": acct.rows_read, "accounting": acct.as_dict(), "accounting_summary": acct.summary(), "epochs": history, "checkpoint": storage.to_uri(result.checkpoint.filesystem, result.checkpoint.path) if result.checkpoint else None,
                "preprocessor": storage.join(out_uri, PREPROCESSOR_FILE), "use_gpu": use_gpu,
                "wall_s": round(time.perf_counter() - t_start, 2)}
     storage.write_json(storage.join(out_uri, "metrics.json"), summary)
