@@ -70,6 +70,9 @@ class TrainSection(_Section):
     checkpoint_every_steps: int = Field(0, ge=0, description="also checkpoint mid-epoch every N steps (0: epoch ends only)")
     trace_batches: bool = Field(False, description="write each rank's per-step row-id digests to <run>/trace-rank<r>.txt")
     max_failures: int = Field(0, ge=0, description="Ray Train restarts from the last checkpoint on worker loss")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="where Ray puts the training workers: PACK fills few nodes, SPREAD uses different "
+                            "nodes where it can (STRICT_*: or fail to start)")
 
     @field_validator("use_gpu", mode="before")
     @classmethod

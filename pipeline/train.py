@@ -73,12 +73,16 @@ def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def _all_gather_int(value: int) -> list[int]:
+def _all_gather(value: Any) -> list[Any]:
     if not (dist.is_available() and dist.is_initialized()):
         return [value]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
-    return [int(v) for v in out]
+    return out
+
+
+def _all_gather_int(value: int) -> list[int]:
+    return [int(v) for v in _all_gather(value)]
 
 
 @torch.no_grad()
@@ -102,14 +106,18 @@ def evaluate(model: nn.Module, data: TabularDataset, device: torch.device, chunk
             "baseline_acc": max(positives, total - positives) / total}
 
 
-def _save_checkpoint(model: nn.Module, optimizer, loader: DeviceLoader, history: list, fitted_json: str, cfg_json: str):
-    """A directory holding model, optimizer and loader state, the fitted preprocessor and the config."""
+def _save_checkpoint(model: nn.Module, optimizer, loader: DeviceLoader, history: list, fitted_json: str, cfg_json: str,
+                     partial: dict[str, Any] | None = None):
+    """A directory holding model, optimizer and loader state, the fitted preprocessor and the config.
+
+    partial (mid-epoch checkpoints): the epoch's sums so far over all ranks, so that a run resumed
+    from it reports the whole epoch (rows, loss, timings), not only the steps after the resume."""
     from ray.train import Checkpoint
 
     d = tempfile.mkdtemp(prefix="ckpt-")
     inner = model.module if hasattr(model, "module") else model
     torch.save({"model": inner.state_dict(), "optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
-                "history": history}, os.path.join(d, CHECKPOINT_FILE))
+                "history": history, "partial": partial}, os.path.join(d, CHECKPOINT_FILE))
     with open(os.path.join(d, PREPROCESSOR_FILE), "w") as f:
         f.write(fitted_json)
     with open(os.path.join(d, "config.json"), "w") as f:
@@ -132,6 +140,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
     t = cfg.train
+    node_ids = _all_gather(ray.get_runtime_context().get_node_id())  # where each rank runs, by rank
 
     full = TabularDataset.from_ray(ray.train.get_dataset_shard("train"))
     train_ds, val_ds = full.split_holdout(cfg.data.val_fraction, t.seed)
@@ -153,6 +162,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
     model = ray.train.torch.prepare_model(build_model(fitted, cfg))
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     history: list[dict[str, Any]] = []
+    partial: dict[str, Any] | None = None  # the resumed epoch's sums before the checkpoint
 
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
@@ -162,6 +172,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
         optimizer.load_state_dict(state["optimizer"])
         loader.load_state_dict({**state["loader"], "rank": rank})
         history = state["history"]
+        partial = state.get("partial")
 
     if rank == 0:
         dropped = sum(max(0, s - sampler.steps * t.batch_size) for s in sizes) if t.drop_last else 0
@@ -178,6 +189,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
         loader.set_epoch(epoch)
         stats = StepStats()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        # Resumed mid-epoch: the steps before the checkpoint count too. The sums are over all ranks, so
+        # only rank 0 adds them (the all-reduce below adds up the ranks); the elapsed time every rank.
+        resumed = partial if partial is not None and partial["epoch"] == epoch else None
+        carried = resumed["sums"] if resumed and rank == 0 else [0.0] * 5  # loss, steps, rows, wait, busy
+        carried_wall = resumed["wall"] if resumed else 0.0
+        partial = None
         t0 = time.perf_counter()
         for batch in timed(loader, stats):
             logits = model(batch.x_num, batch.x_cat)
@@ -192,14 +209,21 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
                 trace.write(f"{epoch} {loader.delivered} {hashlib.sha1(ids.tobytes()).hexdigest()[:16]}\n")
                 trace.flush()
             if every and step and step % every == 0:  # mid-epoch: every rank reports (a collective)
-                ckpt_mid = _save_checkpoint(model, optimizer, loader, history, fitted_json, cfg_json) if rank == 0 else None
+                # The epoch so far over all ranks, this step included (`timed` counts it when the body ends).
+                sums = _all_reduce_sum([loss_sum.item() + carried[0], stats.steps + 1 + carried[1],
+                                        stats.rows + batch.y.shape[0] + carried[2], stats.data_wait_s + carried[3],
+                                        stats.total_s + carried[4]], device)
+                mid = {"epoch": epoch, "sums": sums, "wall": time.perf_counter() - t0 + carried_wall}
+                ckpt_mid = _save_checkpoint(model, optimizer, loader, history, fitted_json, cfg_json, mid) \
+                    if rank == 0 else None
                 ray.train.report({"epoch": epoch, "step": step, "mid_epoch": True}, checkpoint=ckpt_mid)
-        wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0 + carried_wall
         loss_total, steps, rows, wait, busy, wall_max = _all_reduce_sum(
-            [loss_sum.item(), stats.steps, stats.rows, stats.data_wait_s, stats.total_s, wall], device)
+            [loss_sum.item() + carried[0], stats.steps + carried[1], stats.rows + carried[2],
+             stats.data_wait_s + carried[3], stats.total_s + carried[4], wall], device)
         metrics = {"epoch": epoch + 1, "train_loss": loss_total / max(1, steps), "rows": int(rows),
                    "rows_per_s": rows / max(wall, 1e-9), "data_wait_pct": 100.0 * wait / max(busy, 1e-9),
-                   "epoch_s": wall, **evaluate(model, val_ds, device)}
+                   "epoch_s": wall, "node_ids": node_ids, **evaluate(model, val_ds, device)}
         history.append(metrics)
         if rank == 0:
             print(f"[train] epoch {metrics['epoch']}/{t.epochs}  loss {metrics['train_loss']:.4f}  "
@@ -304,7 +328,8 @@ def run(cfg: Config) -> dict[str, Any]:
         train_loop_config={"config": cfg.to_dict(), "fitted": fitted.to_dict(),
                            "run_dir": os.path.abspath(out_uri) if storage.is_local(out_uri) else None},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=use_gpu,
-                                     resources_per_worker=None if use_gpu else {"CPU": 1}),
+                                     resources_per_worker=None if use_gpu else {"CPU": 1},
+                                     placement_strategy=cfg.train.placement_strategy),
         datasets={"train": ds},
         dataset_config=make_data_config(whole=cfg.train.shuffle == "global"),
         run_config=RunConfig(name=name, storage_path=storage_path, storage_filesystem=storage_filesystem,

@@ -1,0 +1,319 @@
+"""The whole job on a multi-node Ray cluster, simulated on this machine with `ray.cluster_utils.Cluster`.
+
+A head node (no CPU; one in the node-loss test) and two worker nodes with 2 CPUs each (custom
+resources node_a / node_b).
+The cluster lives in a SUBPROCESS (a small script written below): this pytest process may already hold
+a local Ray from another test module, and a driver can be connected to only one Ray at a time.
+
+What the cluster run must show:
+- the two training workers ran on different nodes (placement strategy SPREAD);
+- rank r received exactly its contiguous share of the rows (rows [r*N/W, (r+1)*N/W), the validation
+  hold-out removed), and drew from it exactly the batches an uninterrupted single-machine run draws;
+- every training row is used once per epoch, apart from the reported drop_last remainder;
+- every rank ran the same number of steps;
+- after a worker node is lost mid-epoch (its raylet and every process on it killed, its objects
+  lost), Ray Train restarts the workers from the latest committed mid-epoch checkpoint on the
+  remaining nodes and the run continues exactly: the same batches, losses and accuracy as the
+  uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+ROWS, WORLD, BATCH, EPOCHS = 40_000, 2, 256, 2
+TIMEOUT_S = 600  # only catches a hung job: starting three Ray nodes takes minutes on a loaded machine
+
+CLUSTER_SCRIPT = textwrap.dedent('''
+    """Start a 3-node Ray cluster, train on it, print a JSON summary on the last line, shut down."""
+    import glob, json, os, sys, threading, time
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    data, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    small = dict(object_store_memory=150 * 1024**2)
+    # node_loss: the head keeps one CPU, as real heads do. Blocks of the materialised dataset that lived
+    # on the lost node are rebuilt from lineage by Ray Data tasks, which need a CPU the restarted
+    # training workers do not hold (with none free the job waits forever).
+    head_cpus = 1 if mode == "node_loss" else 0
+    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=head_cpus, include_dashboard=False, **small))
+    nodes = {"head": cluster.head_node,
+             "a": cluster.add_node(num_cpus=2, resources={"node_a": 1}, **small),
+             "b": cluster.add_node(num_cpus=2, resources={"node_b": 1}, **small)}
+    cluster.wait_for_nodes()
+    summary = {"events": []}
+    try:
+        import ray.train
+        from pipeline import config, runtime, train
+
+        overrides = {"data.path": data, "run.output": out, "run.name": "mn", "run.ray_address": cluster.address,
+                     "train.epochs": %(epochs)d, "train.batch_size": %(batch)d, "train.num_workers": %(world)d,
+                     "train.hidden": [32], "train.trace_batches": True}
+        if mode == "node_loss":
+            overrides.update({"train.checkpoint_every_steps": 10, "train.max_failures": 2})
+        if "train.placement_strategy" in config.keys():
+            overrides["train.placement_strategy"] = "SPREAD"
+            summary["spread_by"] = "config"
+        else:  # the pipeline has no such key yet: make its ScalingConfig spread the workers
+            _scaling = ray.train.ScalingConfig
+
+            def spread(*args, **kwargs):
+                kwargs.setdefault("placement_strategy", "SPREAD")
+                return _scaling(*args, **kwargs)
+
+            ray.train.ScalingConfig = spread
+            summary["spread_by"] = "patched ScalingConfig"
+        cfg = config.load(None, overrides)
+        runtime.init_ray(cfg)  # joins the cluster: run.ray_address is its address
+
+        def committed(run_dir):
+            try:
+                with open(os.path.join(run_dir, "checkpoint_manager_snapshot.json")) as f:
+                    latest = json.load(f).get("latest_checkpoint_result")
+                return latest and latest["metrics"]
+            except (OSError, ValueError):
+                return None
+
+        def last_step(run_dir):
+            try:
+                with open(os.path.join(run_dir, "trace-rank0.txt")) as f:
+                    e, k, _ = f.read().splitlines()[-1].split()
+                return int(e), int(k)
+            except (OSError, IndexError, ValueError):
+                return None
+
+        def lose_a_worker_node():
+            """Once a mid-epoch checkpoint is committed and training went past it, remove a worker node
+            hosting a training worker: its raylet and every process on it die, its objects are lost."""
+            deadline = time.monotonic() + 500
+            while time.monotonic() < deadline:
+                time.sleep(0.02)
+                runs = glob.glob(os.path.join(out, "mn-*"))
+                c = committed(runs[0]) if runs else None
+                k = last_step(runs[0]) if runs else None
+                if c and c.get("mid_epoch") and k and k[0] == c["epoch"] and c["step"] + 2 <= k[1] < 65:
+                    hosts = {a["Address"]["NodeID"] for a in ray._private.state.actors().values()
+                             if a.get("ActorClassName") == "RayTrainWorker" and a.get("State") == "ALIVE"}
+                    name = next(n for n in ("a", "b") if nodes[n].node_id in hosts)
+                    cluster.remove_node(nodes[name], allow_graceful=False)
+                    summary["events"].append({"lost": name, "committed": [c["epoch"], c["step"]], "traced": list(k)})
+                    return
+
+        if mode == "node_loss":
+            threading.Thread(target=lose_a_worker_node, daemon=True).start()
+        result = train.run(cfg)
+        summary["run"] = result
+        summary["nodes"] = {name: n.node_id for name, n in nodes.items()}
+        summary["train_workers"] = [
+            {"pid": a.get("Pid"), "node_id": a["Address"]["NodeID"], "state": a.get("State")}
+            for a in ray._private.state.actors().values() if a.get("ActorClassName") == "RayTrainWorker"]
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print("SUMMARY " + json.dumps(summary, default=str), flush=True)
+''') % {"epochs": EPOCHS, "batch": BATCH, "world": WORLD}
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def run_on_cluster(tmp_path: Path, mode: str) -> tuple[dict, str, Path]:
+    """Run the cluster script; returns (summary, log text, run folder)."""
+    from pipeline import demo
+
+    data, out = tmp_path / "data", tmp_path / "runs"
+    demo.generate(str(data), rows=ROWS, shards=8, seed=11)
+    script = tmp_path / "cluster_run.py"
+    script.write_text(CLUSTER_SCRIPT)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1",
+           "RAY_TRAIN_ENABLE_CONTROLLER_STRUCTURED_LOGGING": "0", "RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING": "0"}
+    env.pop("RAY_ADDRESS", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])  # this tree's code
+    log = tmp_path / "cluster.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, str(script), str(data), str(out), mode], cwd=REPO, env=env,
+                                stdout=f, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            for pid in [*_descendants(proc.pid), proc.pid]:  # the script and the Ray nodes it started, nothing else
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+            pytest.fail(f"cluster run did not finish in {TIMEOUT_S}s; log:\n{log.read_text()[-6000:]}")
+    text = log.read_text()
+    assert rc == 0, f"exit code {rc}; log:\n{text[-6000:]}"
+    line = [ln for ln in text.splitlines() if ln.startswith("SUMMARY ")]
+    assert line, text[-6000:]
+    summary = json.loads(line[-1][len("SUMMARY "):])
+    return summary, text, Path(summary["run"]["run"])
+
+
+def expected_batches(n: int, world: int, batch: int, epochs: int, seed: int = 0, val_fraction: float = 0.1):
+    """An uninterrupted run's batches, computed without Ray: {(rank, epoch, step): row ids}, the
+    ranks' training-row counts and the steps per epoch. Rank r owns the contiguous global rows
+    [r*n/world, (r+1)*n/world) (the demo data has no row the quality screen drops), minus the
+    validation hold-out."""
+    from pipeline.dataset import TabularDataset
+    from pipeline.sampler import BatchSampler
+
+    trains = []
+    for r in range(world):
+        ids = np.arange(n * r // world, n * (r + 1) // world, dtype=np.int64)
+        ds = TabularDataset.from_numpy(np.zeros((len(ids), 1), np.float32), np.zeros((len(ids), 0), np.int64),
+                                       np.zeros(len(ids), np.float32), ids)
+        trains.append(ds.split_holdout(val_fraction, seed)[0])
+    sizes = [len(t) for t in trains]
+    out = {}
+    for r, t in enumerate(trains):
+        s = BatchSampler(len(t), batch, seed=seed, shuffle=True, drop_last=True, rank=r, rank_sizes=sizes)
+        for e in range(epochs):
+            s.set_epoch(e)
+            for k, idx in enumerate(s, 1):
+                out[(r, e, k)] = t.row_id[idx].numpy()
+    return out, sizes, s.steps
+
+
+def digest(ids: np.ndarray) -> str:
+    return hashlib.sha1(ids.tobytes()).hexdigest()[:16]  # what train.py writes to trace-rank<r>.txt
+
+
+def read_trace(path: Path) -> list[tuple[int, int, str]]:
+    return [(int(e), int(k), h) for e, k, h in (ln.split() for ln in path.read_text().splitlines())]
+
+
+def rank_nodes(text: str, summary: dict) -> dict[int, str]:
+    """world rank -> node id of its worker, from Train's 'Started training worker group' lines (pid ->
+    rank; the last group started wins) and the GCS actor table (pid -> node)."""
+    pid_node = {w["pid"]: w["node_id"] for w in summary["train_workers"]}
+    out = {}
+    for pid, rank in re.findall(r"pid=(\d+)\) world_rank=(\d+), local_rank=\d+, node_rank=\d+", text):
+        out[int(rank)] = pid_node[int(pid)]
+    return out
+
+
+def check_rows_and_steps(text: str, summary: dict, expected, sizes, steps) -> None:
+    m = re.search(r"\[train\] (\d+) worker\(s\) .*rows per rank \[([\d, ]+)\]; (\d+) steps/epoch of (\d+); "
+                  r"drop_last remainder (\d+) rows/epoch", text)
+    assert m, text[-4000:]
+    got_sizes = [int(s) for s in m.group(2).split(",")]
+    remainder = int(m.group(5))
+    # Rank r's rows are its contiguous share of the N rows minus the hold-out (shares differ by <= 1 row).
+    assert got_sizes == sizes and int(m.group(3)) == steps and int(m.group(4)) == BATCH
+    shares = [ROWS * (r + 1) // WORLD - ROWS * r // WORLD for r in range(WORLD)]
+    assert max(shares) - min(shares) <= 1
+    epochs = summary["run"]["epochs"]
+    assert [e["epoch"] for e in epochs] == list(range(1, EPOCHS + 1))
+    for e in epochs:  # the union of the shares is all the rows; every training row once per epoch
+        assert sum(got_sizes) + e["val_rows"] == ROWS == summary["run"]["rows_read"]
+        assert e["rows"] == WORLD * steps * BATCH and e["rows"] + remainder == sum(got_sizes), \
+            f"epoch {e['epoch']} reports {e['rows']} rows, expected {WORLD * steps * BATCH} (after a mid-epoch " \
+            f"resume the epoch's rows must include those trained before the checkpoint): {e}"
+    assert summary["run"]["accounting"]["rows_used"] == ROWS
+    for epoch in range(EPOCHS):  # ... and the rows the batches name are distinct (none twice in an epoch)
+        ids = np.concatenate([expected[(r, epoch, k)] for r in range(WORLD) for k in range(1, steps + 1)])
+        assert len(np.unique(ids)) == len(ids) == sum(got_sizes) - remainder
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """One uninterrupted run on the cluster, shared by the tests below."""
+    return run_on_cluster(tmp_path_factory.mktemp("plain"), "plain")
+
+
+def test_cluster_spreads_ranks_and_splits_rows_exactly(plain_run):
+    expected, sizes, steps = expected_batches(ROWS, WORLD, BATCH, EPOCHS)
+    summary, text, run_dir = plain_run
+
+    nodes = summary["nodes"]
+    per_rank = rank_nodes(text, summary)
+    assert sorted(per_rank) == list(range(WORLD)), text[-4000:]
+    # The two ranks ran on different nodes, both worker nodes (the head has no CPU for them).
+    assert len(set(per_rank.values())) == WORLD, (per_rank, nodes, summary["spread_by"])
+    assert set(per_rank.values()) == {nodes["a"], nodes["b"]}
+    if "node_ids" in summary["run"]["epochs"][0]:  # once the job reports each rank's node itself
+        assert summary["run"]["epochs"][0]["node_ids"] == [per_rank[r] for r in range(WORLD)]
+
+    check_rows_and_steps(text, summary, expected, sizes, steps)
+    for r in range(WORLD):  # each rank drew exactly the batches of its share, the same number of steps
+        trace = read_trace(run_dir / f"trace-rank{r}.txt")
+        assert [(e, k) for e, k, _ in trace] == [(e, k) for e in range(EPOCHS) for k in range(1, steps + 1)]
+        assert [h for _, _, h in trace] == [digest(expected[(r, e, k)]) for e, k, _ in trace]
+
+
+def test_cluster_node_loss_resumes_mid_epoch_exactly(tmp_path, plain_run):
+    expected, sizes, steps = expected_batches(ROWS, WORLD, BATCH, EPOCHS)
+    summary, text, run_dir = run_on_cluster(tmp_path, "node_loss")
+
+    assert summary["events"], f"no worker node was removed; log:\n{text[-4000:]}"
+    (event,) = summary["events"]
+    (ce, ck), (te, tk) = event["committed"], event["traced"]
+    nodes = summary["nodes"]
+    per_rank = rank_nodes(text, summary)  # the worker group started after the loss
+    assert sorted(per_rank) == list(range(WORLD)) and nodes[event["lost"]] not in per_rank.values(), (per_rank, nodes)
+    if "node_ids" in summary["run"]["epochs"][-1]:  # once the job reports each rank's node itself
+        assert summary["run"]["epochs"][-1]["node_ids"] == [per_rank[r] for r in range(WORLD)]
+
+    g = lambda e, k: e * steps + k  # noqa: E731 - global step, 1-based within an epoch
+    resumed = set()
+    for r in range(WORLD):
+        trace = read_trace(run_dir / f"trace-rank{r}.txt")
+        for e, k, h in trace:  # before and after the restart: exactly the uninterrupted run's batches
+            assert h == digest(expected[(r, e, k)]), (r, e, k)
+        jumps = [i for i in range(1, len(trace)) if g(*trace[i][:2]) != g(*trace[i - 1][:2]) + 1]
+        assert len(jumps) == 1, f"rank {r}: expected one restart, found jumps at {jumps}"
+        i = jumps[0]
+        (e0, k0), (e1, k1) = trace[i - 1][:2], trace[i][:2]
+        # Resumed right after a checkpoint, no older than the one committed before the loss, and not
+        # past the last step traced before it; then every remaining step exactly once.
+        assert (k1 - 1) % 10 == 0 and g(ce, ck) < g(e1, k1) <= g(e0, k0), (r, event, trace[i - 1], trace[i])
+        assert g(e0, k0) >= g(te, tk) - 1  # the ranks ran in lockstep up to the loss
+        assert [g(e, k) for e, k, _ in trace[i:]] == list(range(g(e1, k1), EPOCHS * steps + 1))
+        resumed.add((e1, k1))
+    assert len(resumed) == 1 and min(resumed)[1] > 1, resumed  # same point on both ranks, mid-epoch
+    check_rows_and_steps(text, summary, expected, sizes, steps)
+    # Model and optimizer state came back exactly: the same losses and accuracy as the uninterrupted run
+    # (the resumed epoch's training loss sums the steps before and after the checkpoint).
+    for got, want in zip(summary["run"]["epochs"], plain_run[0]["run"]["epochs"], strict=True):
+        assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-9), (got, want)
+        assert (got["val_loss"], got["val_acc"]) == (want["val_loss"], want["val_acc"]), (got, want)
