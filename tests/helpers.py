@@ -27,3 +27,27 @@ def contiguous_sizes(n: int, world: int) -> list[int]:
     """Row counts of the contiguous split the training job uses (sizes differ by at most one)."""
     bounds = [n * r // world for r in range(world + 1)]
     return [bounds[r + 1] - bounds[r] for r in range(world)]
+
+
+def expected_batches(n: int, world: int, batch: int, epochs: int, seed: int = 0, val_fraction: float = 0.1):
+    """An uninterrupted run's batches, computed without Ray: {(rank, epoch, step): row ids}, the
+    ranks' training-row counts and the steps per epoch. Rank r owns the contiguous global rows
+    [r*n/world, (r+1)*n/world) (the demo data has no row the quality screen drops), minus the
+    validation hold-out."""
+    from pipeline.sampler import BatchSampler
+
+    trains = []
+    for r in range(world):
+        ids = np.arange(n * r // world, n * (r + 1) // world, dtype=np.int64)
+        ds = TabularDataset.from_numpy(np.zeros((len(ids), 1), np.float32), np.zeros((len(ids), 0), np.int64),
+                                       np.zeros(len(ids), np.float32), ids)
+        trains.append(ds.split_holdout(val_fraction, seed)[0])
+    sizes = [len(t) for t in trains]
+    out = {}
+    for r, t in enumerate(trains):
+        s = BatchSampler(len(t), batch, seed=seed, shuffle=True, drop_last=True, rank=r, rank_sizes=sizes)
+        for e in range(epochs):
+            s.set_epoch(e)
+            for k, idx in enumerate(s, 1):
+                out[(r, e, k)] = t.row_id[idx].numpy()
+    return out, sizes, s.steps

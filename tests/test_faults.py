@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import expected_batches
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -189,26 +191,9 @@ def test_fit_survives_killed_data_worker(tmp_path):
 
 def expected_trace(n: int, world: int, batch: int, epochs: int, seed: int = 0, val_fraction: float = 0.1):
     """What an uninterrupted run writes to trace-rank<r>.txt: {(rank, epoch, step): digest}, the ranks'
-    training-row counts and the steps per epoch. Rank r owns global rows [r*n/world, (r+1)*n/world)
-    (no row dropped by the quality screen in the demo data), minus the validation hold-out."""
-    from pipeline.dataset import TabularDataset
-    from pipeline.sampler import BatchSampler
-
-    trains = []
-    for r in range(world):
-        ids = np.arange(n * r // world, n * (r + 1) // world, dtype=np.int64)
-        ds = TabularDataset.from_numpy(np.zeros((len(ids), 1), np.float32), np.zeros((len(ids), 0), np.int64),
-                                       np.zeros(len(ids), np.float32), ids)
-        trains.append(ds.split_holdout(val_fraction, seed)[0])
-    sizes = [len(t) for t in trains]
-    out = {}
-    for r, t in enumerate(trains):
-        s = BatchSampler(len(t), batch, seed=seed, shuffle=True, drop_last=True, rank=r, rank_sizes=sizes)
-        for e in range(epochs):
-            s.set_epoch(e)
-            for k, idx in enumerate(s, 1):
-                out[(r, e, k)] = hashlib.sha1(t.row_id[idx].numpy().tobytes()).hexdigest()[:16]
-    return out, sizes, s.steps
+    training-row counts and the steps per epoch."""
+    batches, sizes, steps = expected_batches(n, world, batch, epochs, seed, val_fraction)
+    return {k: hashlib.sha1(ids.tobytes()).hexdigest()[:16] for k, ids in batches.items()}, sizes, steps
 
 
 def _read_trace(path: str) -> list[tuple[int, int, str]]:

@@ -32,6 +32,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import expected_batches
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -183,31 +185,6 @@ def run_on_cluster(tmp_path: Path, mode: str) -> tuple[dict, str, Path]:
     assert line, text[-6000:]
     summary = json.loads(line[-1][len("SUMMARY "):])
     return summary, text, Path(summary["run"]["run"])
-
-
-def expected_batches(n: int, world: int, batch: int, epochs: int, seed: int = 0, val_fraction: float = 0.1):
-    """An uninterrupted run's batches, computed without Ray: {(rank, epoch, step): row ids}, the
-    ranks' training-row counts and the steps per epoch. Rank r owns the contiguous global rows
-    [r*n/world, (r+1)*n/world) (the demo data has no row the quality screen drops), minus the
-    validation hold-out."""
-    from pipeline.dataset import TabularDataset
-    from pipeline.sampler import BatchSampler
-
-    trains = []
-    for r in range(world):
-        ids = np.arange(n * r // world, n * (r + 1) // world, dtype=np.int64)
-        ds = TabularDataset.from_numpy(np.zeros((len(ids), 1), np.float32), np.zeros((len(ids), 0), np.int64),
-                                       np.zeros(len(ids), np.float32), ids)
-        trains.append(ds.split_holdout(val_fraction, seed)[0])
-    sizes = [len(t) for t in trains]
-    out = {}
-    for r, t in enumerate(trains):
-        s = BatchSampler(len(t), batch, seed=seed, shuffle=True, drop_last=True, rank=r, rank_sizes=sizes)
-        for e in range(epochs):
-            s.set_epoch(e)
-            for k, idx in enumerate(s, 1):
-                out[(r, e, k)] = t.row_id[idx].numpy()
-    return out, sizes, s.steps
 
 
 def digest(ids: np.ndarray) -> str:
