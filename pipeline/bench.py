@@ -282,7 +282,7 @@ def run(rows: int, features: int, cats: int, batches: list[int], device: str, bu
 def table(res: dict) -> str:
     cols = [("a_textbook_w0", "(a) per-row w0"), ("a_textbook_w2", "(a) per-row w2"),
             ("b_ray_iter_torch_batches", "(b) Ray iter_torch"), ("c_loader", "(c) this loader"), ("d_limit", "(d) limit")]
-    lines = [f"rows {res['rows']:,} x {res['features']} float32 + {res['categorical']} int64 + label, "
+    lines = [f"rows {res['rows']:,} x {res['features']} float32 + {res['categorical']} int32 ids + label, "
              f"device {res['device']}, torch threads {res['torch_threads']}, shuffled", "",
              f"{'batch':>6} " + " ".join(f"{name:>18}" for _, name in cols) + f" {'c/a':>7} {'c/b':>7} {'c/d':>6}"]
     for b, r in res["by_batch"].items():
