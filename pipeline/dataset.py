@@ -156,9 +156,11 @@ class TabularDataset:
     def subset(self, idx: torch.Tensor) -> "TabularDataset":
         if idx.dtype == torch.bool:
             idx = idx.nonzero().squeeze(1)
-        rows = alloc_rows(idx.numel(), self.width) if self.rows.device.type == "cpu" else None
-        rows = torch.index_select(self.rows, 0, idx.to(self.rows.device), out=rows) if rows is not None \
-            else self.rows.index_select(0, idx.to(self.rows.device))
+        idx = idx.to(self.rows.device)
+        if self.rows.device.type == "cpu":  # onto huge pages, like the shard it comes from
+            rows = torch.index_select(self.rows, 0, idx, out=alloc_rows(idx.numel(), self.width))
+        else:
+            rows = self.rows.index_select(0, idx)
         return TabularDataset(rows, self.num_features, self.num_categorical, self.row_id[idx.to(self.row_id.device)])
 
     def to(self, device, non_blocking: bool = False) -> "TabularDataset":

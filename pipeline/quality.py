@@ -13,23 +13,16 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from .errors import DataError
-
-
-def _float64(col) -> np.ndarray:
-    arr = pc.cast(col, pa.float64())
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
-    return arr.to_numpy(zero_copy_only=False)
+from .preprocess import _as_float64
 
 
 def value_problems(table: pa.Table, numeric, categorical, label: str, label_values) -> list[tuple[str, str, np.ndarray]]:
     """(column, what, row mask) for each kind of bad value present in the table."""
     out = []
     for c in numeric:
-        v = _float64(table[c])
+        v = _as_float64(table[c])
         nan = np.isnan(v)
         if nan.any():
             out.append((c, "null or NaN", nan))
@@ -40,7 +33,7 @@ def value_problems(table: pa.Table, numeric, categorical, label: str, label_valu
         col = table[c]
         if col.null_count:
             out.append((c, "null", col.is_null().to_numpy(zero_copy_only=False)))
-    y = _float64(table[label])
+    y = _as_float64(table[label])
     nan = np.isnan(y)
     if nan.any():
         out.append((label, "null or NaN label", nan))
