@@ -203,12 +203,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
             loss.backward()
             optimizer.step()
             loss_sum += loss.detach()  # no .item() per step: that would sync the GPU every batch
-            step = loader.state_dict()["step"]
+            step = loader.delivered  # batches of this epoch so far (no dict built per step)
             if trace is not None:
                 ids = train_ds.row_id[loader.last_index.cpu()].numpy()
-                trace.write(f"{epoch} {loader.delivered} {hashlib.sha1(ids.tobytes()).hexdigest()[:16]}\n")
+                trace.write(f"{epoch} {step} {hashlib.sha1(ids.tobytes()).hexdigest()[:16]}\n")
                 trace.flush()
-            if every and step and step % every == 0:  # mid-epoch: every rank reports (a collective)
+            if every and step % every == 0 and step < len(loader):  # mid-epoch: every rank reports (a collective)
                 # The epoch so far over all ranks, this step included (`timed` counts it when the body ends).
                 sums = _all_reduce_sum([loss_sum.item() + carried[0], stats.steps + 1 + carried[1],
                                         stats.rows + batch.y.shape[0] + carried[2], stats.data_wait_s + carried[3],
@@ -218,9 +218,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
                     if rank == 0 else None
                 ray.train.report({"epoch": epoch, "step": step, "mid_epoch": True}, checkpoint=ckpt_mid)
         wall = time.perf_counter() - t0 + carried_wall
-        loss_total, steps, rows, wait, busy, wall_max = _all_reduce_sum(
+        loss_total, steps, rows, wait, busy = _all_reduce_sum(
             [loss_sum.item() + carried[0], stats.steps + carried[1], stats.rows + carried[2],
-             stats.data_wait_s + carried[3], stats.total_s + carried[4], wall], device)
+             stats.data_wait_s + carried[3], stats.total_s + carried[4]], device)
         metrics = {"epoch": epoch + 1, "train_loss": loss_total / max(1, steps), "rows": int(rows),
                    "rows_per_s": rows / max(wall, 1e-9), "data_wait_pct": 100.0 * wait / max(busy, 1e-9),
                    "epoch_s": wall, "node_ids": node_ids, **evaluate(model, val_ds, device)}
