@@ -2,9 +2,10 @@
 
 Three paths, one interface (`__iter__`, `__len__`, `set_epoch`, `state_dict`, `load_state_dict`):
 
-- CPU target: one `index_select` per tensor per batch; nothing else happens per batch.
-- CUDA, host placement: rows are gathered straight into a ring of pinned host buffers, copied to
-  the GPU on a side stream with non_blocking=True `prefetch` batches ahead, and the compute stream
+- CPU target: one `index_select` fetches the packed rows of several consecutive batches (a chunk of
+  about `chunk_bytes`, 4 MiB by default) into a fresh tensor, and the batches are views of it.
+- CUDA, host placement: chunks are gathered straight into a ring of pinned host buffers, copied to
+  the GPU on a side stream with non_blocking=True `prefetch` chunks ahead, and the compute stream
   waits on the copy's event before it touches the batch (plus record_stream, so the caching allocator
   does not hand the memory to another stream early). A pinned buffer is written again only after
   the event of the copy that read it has completed.
@@ -17,6 +18,7 @@ after k steps resumes at step k+1 even though the copy engine ran ahead.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from typing import Any, Callable, Iterator
 
@@ -72,12 +74,15 @@ class _Position:
 
 class DeviceLoader(_Position):
     def __init__(self, dataset: TabularDataset, sampler: BatchSampler, device: torch.device | str = "cpu", *,
-                 placement: str = "auto", prefetch: int = 2, device_memory_fraction: float = 0.5):
+                 placement: str = "auto", prefetch: int = 2, device_memory_fraction: float = 0.5,
+                 chunk_bytes: int = 4 << 20):
         if len(dataset) != sampler.dataset_rows:
             raise ValueError(f"sampler is for {sampler.dataset_rows} rows but the dataset has {len(dataset)}")
         self.device = torch.device(device)
         self.sampler = sampler
         self.prefetch = max(1, prefetch)
+        # Rows per gather: about chunk_bytes of packed rows, whole batches, at least one batch.
+        self.chunk_rows = max(1, chunk_bytes // (4 * dataset.width))
         self.placement = resolve_placement(dataset, self.device, placement, device_memory_fraction)
         self.dataset = dataset.to(self.device) if self.placement == "device" else dataset
         self._ring: list[tuple[torch.Tensor, torch.cuda.Event | None]] | None = None  # pinned packed buffers
@@ -102,20 +107,38 @@ class DeviceLoader(_Position):
         else:
             yield from self._iter_pinned()
 
+    # -- rows gathered K batches at a time ----------------------------------------------------
+
+    def _chunks(self) -> Iterator[tuple[torch.Tensor, int]]:
+        """The rest of the epoch as (indices, batches in them): up to `chunk_rows` rows of consecutive
+        batches per gather. One big gather beats many small ones (the call overhead is paid once, and
+        torch spreads a large gather over its threads), and batch k is still exactly rows
+        order[k*B:(k+1)*B]."""
+        perm = self.sampler.order(self.sampler.epoch)
+        k = max(1, self.chunk_rows // self.sampler.batch_size)
+        spans = self.sampler.spans()  # advances the sampler; the delivered count is kept apart
+        while True:
+            group = list(itertools.islice(spans, k))
+            if not group:
+                return
+            yield perm[group[0][0]:group[-1][1]], len(group)
+
+    def _views(self, rows: torch.Tensor, idx: torch.Tensor) -> Iterator[Batch]:
+        """The batches of a gathered chunk as views (built by four splits, not per-batch slicing)."""
+        f, c, b = self.dataset.num_features, self.dataset.num_categorical, self.sampler.batch_size
+        parts = zip(rows[:, :f].split(b), rows[:, f:f + c].view(torch.int32).split(b), rows[:, f + c].split(b),
+                    idx.split(b))
+        for x_num, x_cat, y, self.last_index in parts:
+            self._delivered += 1
+            yield Batch(x_num, x_cat, y)
+
     # -- CPU target ---------------------------------------------------------------------------
 
     def _iter_host(self) -> Iterator[Batch]:
-        # The hot loop of the CPU path, flattened on purpose: at batch 256 a gather costs ~25 us here,
-        # so each extra Python call or generator level per batch is a visible share of the time.
-        rows, f, c = self.dataset.rows, self.dataset.num_features, self.dataset.num_categorical
-        fc = f + c
-        gather, i32 = torch.index_select, torch.int32
-        perm = self.sampler.order(self.sampler.epoch)
-        for start, stop in self.sampler.spans():
-            self.last_index = idx = perm[start:stop]
-            r = gather(rows, 0, idx)
-            self._delivered += 1
-            yield Batch(r[:, :f], r[:, f:fc].view(i32), r[:, fc])
+        # A fresh tensor per chunk, never a reused one: a batch the caller keeps stays valid.
+        rows = self.dataset.rows
+        for idx, _ in self._chunks():
+            yield from self._views(torch.index_select(rows, 0, idx), idx)
 
     # -- CUDA, shard resident on the GPU ------------------------------------------------------
 
@@ -131,8 +154,11 @@ class DeviceLoader(_Position):
 
     def _iter_pinned(self) -> Iterator[Batch]:
         ds = self.dataset
-        if self._ring is None:
-            self._ring = [(ds.alloc_batch(self.sampler.batch_size, pin=True), None) for _ in range(self.prefetch + 1)]
+        k = max(1, self.chunk_rows // self.sampler.batch_size)
+        if self._ring is None:  # prefetch+1 pinned chunk buffers: one being read by the caller's batches,
+            # up to `prefetch` in flight
+            self._ring = [(ds.alloc_batch(k * self.sampler.batch_size, pin=True), None)
+                          for _ in range(self.prefetch + 1)]
         ring = self._ring
         copy_stream = torch.cuda.Stream(self.device)
         pending: deque[tuple[torch.Tensor, torch.cuda.Event, torch.Tensor]] = deque()
@@ -145,29 +171,28 @@ class DeviceLoader(_Position):
                 done.synchronize()  # the copy that last read this pinned buffer has finished
             host = ds.gather(idx, out=buf)  # one gather straight into pinned memory
             with torch.cuda.stream(copy_stream):
-                dev = host.to(self.device, non_blocking=True)  # one DMA for the whole packed batch
+                dev = host.to(self.device, non_blocking=True)  # one DMA for the whole chunk of batches
                 ready = torch.cuda.Event()
                 ready.record(copy_stream)
             ring[slot] = (buf, ready)
             slot = (slot + 1) % len(ring)
             pending.append((dev, ready, idx))
 
-        indices = iter(self.sampler)
+        chunks = self._chunks()
         for _ in range(self.prefetch):
-            idx = next(indices, None)
-            if idx is None:
+            nxt = next(chunks, None)
+            if nxt is None:
                 break
-            launch(idx)
+            launch(nxt[0])
         compute = torch.cuda.current_stream(self.device)
         while pending:
-            dev, ready, self.last_index = pending.popleft()
+            dev, ready, idx = pending.popleft()
             compute.wait_event(ready)
             dev.record_stream(compute)  # allocated on the copy stream, used on the compute stream
-            idx = next(indices, None)
-            if idx is not None:
-                launch(idx)  # the next copy overlaps with the caller's compute on this batch
-            self._delivered += 1
-            yield ds.unpack(dev)
+            nxt = next(chunks, None)
+            if nxt is not None:
+                launch(nxt[0])  # the next copy overlaps with the caller's compute on these batches
+            yield from self._views(dev, idx)
 
 
 class _Fetch:

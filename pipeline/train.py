@@ -156,7 +156,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
         sampler = BatchSampler(len(train_ds), t.batch_size, seed=t.seed, shuffle=t.shuffle == "local",
                                drop_last=t.drop_last, rank=rank, rank_sizes=sizes)
     loader = DeviceLoader(train_ds, sampler, device, placement=cfg.loader.placement, prefetch=cfg.loader.prefetch,
-                          device_memory_fraction=cfg.loader.device_memory_fraction)
+                          device_memory_fraction=cfg.loader.device_memory_fraction,
+                          chunk_bytes=int(cfg.loader.chunk_mib * 2**20))
 
     torch.manual_seed(t.seed)  # identical initial weights on every rank (DDP broadcasts rank 0's anyway)
     model = ray.train.torch.prepare_model(build_model(fitted, cfg))
