@@ -252,11 +252,11 @@ def _to_table(data: Any) -> pa.Table:
 # The Ray side: one pass to fit, one lazy dataset to transform
 
 
-def fragments_dataset(source, skip: set[tuple[str, int]] = frozenset()):
+def fragments_dataset(source):
     """A Ray Dataset with one row (one read task) per fragment, in global row order."""
     import ray
 
-    items = [{"fragment": pickle.dumps(f)} for f in source.fragments if (f.path, f.row_group) not in skip]
+    items = [{"fragment": pickle.dumps(f)} for f in source.fragments]
     ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))
     # Blocks must come out in fragment order: the split across ranks is by position in this order.
     ds.context.execution_options.preserve_order = True
@@ -301,10 +301,11 @@ def fit(source, cfg):
             try:
                 table = _read(uri, f, columns, cfg)
                 if isinstance(table, dict):
-                    out.append(pickle.dumps((f.num_rows, None, {}, table)))
+                    out.append(pickle.dumps((f.row_start, f.num_rows, None, {}, table)))
                     continue
                 kept, dropped = screen(table, f, cfg)
-                out.append(pickle.dumps((f.num_rows, partial_stats(kept, numeric, categorical, label), dropped, None)))
+                out.append(pickle.dumps((f.row_start, f.num_rows, partial_stats(kept, numeric, categorical, label),
+                                         dropped, None)))
             except DataError as e:
                 # Returned, not raised: Ray would wrap it in layers of task errors and print a traceback.
                 out.append(pickle.dumps((f.row_start, str(e))))
@@ -318,8 +319,8 @@ def fit(source, cfg):
     errors = sorted(r for r in records if len(r) == 2)
     if errors:
         raise DataError(errors[0][1])
-    for n, part, dropped, quarantine in records:
-        acct.merge_fragment(n, part.rows if part else 0, dropped, quarantine)
+    for row_start, n, part, dropped, quarantine in records:
+        acct.merge_fragment(n, part.rows if part else 0, dropped, quarantine, row_start)
         if part is not None:
             total = total.merge(part)
     acct.quarantined.sort(key=lambda e: (e["file"], e["row_group"] if e["row_group"] is not None else -1))
@@ -331,35 +332,102 @@ def fit(source, cfg):
     return fitted, acct
 
 
-def transform_dataset(source, fitted: FittedPreprocessor, cfg, accounting=None):
-    """Lazy Ray Dataset of transformed rows: row_id, x_num [F] float32, x_cat [C] int32, y float32.
+@dataclass(frozen=True)
+class Piece:
+    """Rows [lo, hi) of what a fragment yields after the quality screen (its kept rows, in order)."""
 
-    Row groups the fit pass quarantined are skipped; the same screen drops the same rows."""
+    fragment: Any  # source.Fragment
+    lo: int
+    hi: int
+
+
+def plan_shares(source, accounting, world: int, whole: bool = False) -> list[list[Piece]]:
+    """Which rows each rank owns, as pieces of fragments: rank r gets positions [r*N/W, (r+1)*N/W) of
+    the N rows the fit pass counted as usable, in global row order (whole=True: every rank gets all N).
+    A pure function of the data and W, so the assignment is reproducible; a fragment that straddles
+    two ranks is read by both, each keeping its own slice."""
+    used = [(f, accounting.used_by_fragment.get(f.row_start, 0)) for f in source.fragments]
+    used = [(f, u) for f, u in used if u > 0]
+    n = sum(u for _, u in used)
+    bounds = [(0, n)] * world if whole else [(n * r // world, n * (r + 1) // world) for r in range(world)]
+    shares: list[list[Piece]] = []
+    for lo, hi in bounds:
+        pieces, at = [], 0
+        for f, u in used:
+            a, b = max(lo, at), min(hi, at + u)
+            if a < b:
+                pieces.append(Piece(f, a - at, b - at))
+            at += u
+        shares.append(pieces)
+    return shares
+
+
+def transform_pieces(source, fitted: FittedPreprocessor, cfg, pieces: list[Piece], node_id: str | None = None,
+                     node_cpus: int = 1):
+    """Lazy Ray Dataset of the transformed rows of `pieces`, in order: row_id, x_num [F] float32, x_cat [C]
+    int32, y float32, and `local` (True where the row was transformed on node_id).
+
+    With node_id, the read-and-transform tasks prefer that node, up to `node_cpus` at a time (the CPUs
+    it has beside its training workers), so their output lands in the object store of the node that
+    trains on it and the rank reads its rows without crossing the network. A task the node cannot
+    take at once (busy, or gone) runs elsewhere rather than waiting."""
+    import ray
+
     from .errors import DataError
     from .quality import screen
 
     columns = [*fitted.numeric, *fitted.categorical, fitted.label]
     uri = source.uri
-    skip = {(e["file"], e["row_group"]) for e in (accounting.quarantined if accounting else []) if e["row_group"] is not None}
     f_, c_ = fitted.num_features, len(fitted.categorical)
 
     def read_transform(batch: pa.Table) -> dict[str, np.ndarray]:
         outs, ids = [], []
-        for f in _fragments(batch):
+        for blob in batch.column("piece").to_pylist():
+            p = pickle.loads(blob)
+            f = p.fragment
             table = _read(uri, f, columns, cfg)
             if isinstance(table, dict):  # readable during fit, not now: the data changed under the run
                 raise DataError(f"'{f.path}' row group {f.row_group} could be read during fit but not now "
                                 f"({table['reason']}); do not modify data.path while a run is in progress")
             table = table.append_column("__row_id", pa.array(np.arange(f.row_start, f.row_start + f.num_rows)))
             kept, _ = screen(table, f, cfg)
+            if kept.num_rows < p.hi:
+                raise DataError(f"'{f.path}' row group {f.row_group} yields {kept.num_rows:,} usable rows now but "
+                                f"{p.hi:,} or more during fit; do not modify data.path while a run is in progress")
+            kept = kept.slice(p.lo, p.hi - p.lo)
             outs.append(fitted.transform(kept, with_label=True))
             ids.append(kept["__row_id"].to_numpy())
+        here = node_id is not None and ray.get_runtime_context().get_node_id() == node_id
         if not ids:
             return {"row_id": np.empty(0, np.int64), "x_num": np.empty((0, f_), np.float32),
-                    "x_cat": np.empty((0, c_), np.int32), "y": np.empty(0, np.float32)}
-        return {"row_id": np.concatenate(ids),
+                    "x_cat": np.empty((0, c_), np.int32), "y": np.empty(0, np.float32), "local": np.empty(0, bool)}
+        row_id = np.concatenate(ids)
+        return {"row_id": row_id,
                 "x_num": np.concatenate([o.x_num for o in outs]),
                 "x_cat": np.concatenate([o.x_cat for o in outs]),
-                "y": np.concatenate([o.y for o in outs])}
+                "y": np.concatenate([o.y for o in outs]),
+                "local": np.full(len(row_id), here)}
 
-    return fragments_dataset(source, skip).map_batches(read_transform, batch_format="pyarrow", batch_size=1)
+    items = [{"piece": pickle.dumps(p)} for p in pieces]
+    ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))
+    ds.context.execution_options.preserve_order = True  # blocks in piece order (rows are sorted later anyway)
+    if node_id is None:
+        return ds.map_batches(read_transform, batch_format="pyarrow", batch_size=1)
+    import warnings
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # soft=True alone makes a task wait for the node however long it stays busy (a training worker may
+    # hold its last CPU); _spill_on_unavailable (the flag Ray Serve uses for the same purpose) lets
+    # such a task run elsewhere. Passed as a raw remote arg (deprecated in Ray Data 2.60 in favour of
+    # label selectors, which cannot express this fallback); keep that warning out of the job's output.
+    affinity = NodeAffinitySchedulingStrategy(node_id=node_id, soft=True, _spill_on_unavailable=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+        return ds.map_batches(read_transform, batch_format="pyarrow", batch_size=1, concurrency=max(1, node_cpus),
+                              scheduling_strategy=affinity)
+
+
+def transform_dataset(source, fitted: FittedPreprocessor, cfg, accounting):
+    """Lazy Ray Dataset of every usable row, transformed (see transform_pieces), in global row order."""
+    return transform_pieces(source, fitted, cfg, plan_shares(source, accounting, 1)[0])

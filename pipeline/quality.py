@@ -87,6 +87,7 @@ class Accounting:
     dropped: Counter = field(default_factory=Counter)
     quarantined: list[dict[str, Any]] = field(default_factory=list)  # manifest entries
     unknown_row_files: int = 0  # quarantined files whose footer was unreadable (row count unknown)
+    used_by_fragment: dict[int, int] = field(default_factory=dict)  # fragment row_start -> rows it yields
 
     @property
     def rows_dropped(self) -> int:
@@ -100,9 +101,12 @@ class Accounting:
     def balanced(self) -> bool:
         return self.rows_read == self.rows_used + self.rows_dropped + self.rows_quarantined
 
-    def merge_fragment(self, rows: int, used: int, dropped: Counter, quarantine: dict | None) -> None:
+    def merge_fragment(self, rows: int, used: int, dropped: Counter, quarantine: dict | None,
+                       row_start: int | None = None) -> None:
         self.rows_read += rows
         self.rows_used += used
+        if row_start is not None:
+            self.used_by_fragment[row_start] = used
         self.dropped.update(dropped)
         if quarantine:
             self.quarantined.append(quarantine)

@@ -1,9 +1,9 @@
 """The Ray Train job: fit the preprocessing, hand each rank its rows, train an MLP with DDP.
 
-Driver: validate shards -> one distributed fit pass -> transform (Ray Data, across the cluster) ->
-TorchTrainer. Each worker materialises its contiguous row range once into a TabularDataset; from
-then on the hot loop is torch only (DeviceLoader), and Ray is touched again only to report metrics
-and checkpoints.
+Driver: validate shards -> one distributed fit pass -> plan each rank's share of the usable rows ->
+TorchTrainer. Once the workers are placed, each rank's share is read and transformed by Ray Data
+tasks on the rank's own node and materialised once into a TabularDataset; from then on the hot loop
+is torch only (DeviceLoader), and Ray is touched again only to report metrics and checkpoints.
 """
 
 from __future__ import annotations
@@ -142,7 +142,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
     t = cfg.train
     node_ids = _all_gather(ray.get_runtime_context().get_node_id())  # where each rank runs, by rank
 
-    full = TabularDataset.from_ray(ray.train.get_dataset_shard("train"))
+    full, local = receive_share(ray.train.get_dataset_shard("train"), loop_config["share_rows"][rank], rank)
+    local_rows = _all_gather_int(local)  # rows each rank's share had transformed on the rank's own node
     train_ds, val_ds = full.split_holdout(cfg.data.val_fraction, t.seed)
     del full
     if t.shuffle == "global":  # every rank holds all rows; the sampler deals a new share each epoch
@@ -224,7 +225,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
              stats.data_wait_s + carried[3], stats.total_s + carried[4]], device)
         metrics = {"epoch": epoch + 1, "train_loss": loss_total / max(1, steps), "rows": int(rows),
                    "rows_per_s": rows / max(wall, 1e-9), "data_wait_pct": 100.0 * wait / max(busy, 1e-9),
-                   "epoch_s": wall, "node_ids": node_ids, **evaluate(model, val_ds, device)}
+                   "epoch_s": wall, "node_ids": node_ids,
+                   "share_rows": loop_config["share_rows"], "share_rows_local": local_rows, **evaluate(model, val_ds, device)}
         history.append(metrics)
         if rank == 0:
             print(f"[train] epoch {metrics['epoch']}/{t.epochs}  loss {metrics['train_loss']:.4f}  "
@@ -249,28 +251,57 @@ def rank_sizes(n: int, world: int) -> list[int]:
     return [hi - lo for lo, hi in (rank_bounds(n, world, r) for r in range(world))]
 
 
-def make_data_config(whole: bool = False):
-    """Rank r gets rows [r*N/W, (r+1)*N/W) in global row order (whole=True: every rank gets all rows,
-    for global shuffle). Which rows a rank owns is a pure function of the data layout and the world
-    size; Ray's locality-aware streaming split is not used, since its assignment depends on where
-    blocks happen to live and would make the order irreproducible."""
+def make_data_config(src, fitted: FittedPreprocessor, cfg: Config, shares: list, cpus_per_worker: float = 1.0):
+    """Each rank's Ray Dataset: its planned share of the rows (see preprocess.plan_shares: a pure
+    function of the data and the world size, so which rows a rank owns is reproducible), read and
+    transformed by Ray Data tasks pinned to the node that rank runs on (soft node affinity), so the
+    transformed blocks are produced in that node's object store and never cross the network. Ray's
+    own streaming_split is locality-aware too, but which rows it hands a rank depends on where
+    blocks happen to be, which would make the order irreproducible."""
     from ray.train import DataConfig
 
-    class RowRangeSplit(DataConfig):
+    class LocalShareSplit(DataConfig):
         def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
-            out = [{} for _ in range(world_size)]
-            for name, ds in datasets.items():
-                n = ds.count()
-                if whole or world_size == 1:
-                    parts = [ds] * world_size
-                else:
-                    parts = ds.split_at_indices([rank_bounds(n, world_size, r)[0] for r in range(1, world_size)])
-                for r, part in enumerate(parts):
-                    part.context.enable_progress_bars = False  # a worker's read of its range takes < 1 s
-                    out[r][name] = part.iterator()
+            if world_size != len(shares):
+                raise RuntimeError(f"planned shares for {len(shares)} workers, Ray Train started {world_size}")
+            spare = _spare_cpus(worker_node_ids, cpus_per_worker)
+            out = []
+            for r in range(world_size):
+                node = worker_node_ids[r] if worker_node_ids else None
+                # A node with no CPU beside its training workers cannot transform anything: no affinity.
+                cpus = spare.get(node, 0) // max(1, worker_node_ids.count(node)) if node else 0
+                part = preprocess.transform_pieces(src, fitted, cfg, shares[r], node_id=node if cpus >= 1 else None,
+                                                   node_cpus=cpus)
+                part.context.enable_progress_bars = False  # a worker's read of its share takes seconds
+                out.append({"train": part.iterator()})
             return out
 
-    return RowRangeSplit()
+    return LocalShareSplit()
+
+
+def _spare_cpus(worker_node_ids, cpus_per_worker: float) -> dict[str, int]:
+    """CPUs each training node has beside the training workers placed on it (totals from the GCS)."""
+    import ray
+
+    if not worker_node_ids:
+        return {}
+    totals = {n["NodeID"]: n.get("Resources", {}).get("CPU", 0) for n in ray.nodes() if n.get("Alive")}
+    return {node: int(totals.get(node, 0) - cpus_per_worker * worker_node_ids.count(node)) for node in set(worker_node_ids)}
+
+
+def receive_share(iterator, expected_rows: int, rank: int) -> tuple[TabularDataset, int]:
+    """Materialise this rank's share once (epochs then never touch Ray), check that it holds exactly
+    the planned number of rows, and say how much of it was transformed on this node."""
+    t0 = time.perf_counter()
+    blocks = list(iterator.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2))
+    n = sum(len(b["y"]) for b in blocks)
+    local = sum(int(b["local"].sum()) for b in blocks)
+    if n != expected_rows:
+        raise DataError(f"rank {rank} received {n:,} rows but its planned share is {expected_rows:,}; was data.path "
+                        f"modified during the run?")
+    print(f"[data] rank {rank}: {n:,} rows in {len(blocks)} blocks, {100.0 * local / max(1, n):.0f}% transformed on "
+          f"this node, in {time.perf_counter() - t0:.1f}s", flush=True)
+    return TabularDataset.from_blocks(blocks), local
 
 
 def run_name(cfg: Config) -> str:
@@ -312,13 +343,12 @@ def run(cfg: Config) -> dict[str, Any]:
     t_start = time.perf_counter()
     src, fitted, acct = fit_preprocessor(cfg, out_uri)
 
-    t0 = time.perf_counter()
-    ds = preprocess.transform_dataset(src, fitted, cfg, acct).materialize()
-    n = ds.count()
-    print(f"[transform] {n:,} rows in {time.perf_counter() - t0:.1f}s", flush=True)
-    if n != acct.rows_used or not acct.balanced:
-        raise DataError(f"row accounting does not balance: the transform produced {n:,} rows but the fit pass "
-                        f"counted {acct.summary()}; was data.path modified during the run?")
+    if not acct.balanced:
+        raise DataError(f"row accounting does not balance: {acct.summary()}; was data.path modified during the run?")
+    shares = preprocess.plan_shares(src, acct, cfg.train.num_workers, whole=cfg.train.shuffle == "global")
+    share_rows = [sum(p.hi - p.lo for p in share) for share in shares]
+    print(f"[plan] rows per rank {share_rows}, from {[len(s) for s in shares]} row-group pieces; each rank's "
+          f"pieces are read and transformed on its own node", flush=True)
 
     use_gpu = cfg.train.use_gpu == "true" or (cfg.train.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
     # Ray Train writes through the filesystem pipeline.storage builds (same endpoint, addressing style
@@ -326,13 +356,14 @@ def run(cfg: Config) -> dict[str, Any]:
     storage_path, storage_filesystem = storage.ray_storage(cfg.run.output)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": cfg.to_dict(), "fitted": fitted.to_dict(),
+        train_loop_config={"config": cfg.to_dict(), "fitted": fitted.to_dict(), "share_rows": share_rows,
                            "run_dir": os.path.abspath(out_uri) if storage.is_local(out_uri) else None},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=use_gpu,
                                      resources_per_worker=None if use_gpu else {"CPU": 1},
                                      placement_strategy=cfg.train.placement_strategy),
-        datasets={"train": ds},
-        dataset_config=make_data_config(whole=cfg.train.shuffle == "global"),
+        # Ray Train wants the dataset up front; LocalShareSplit replaces it by each rank's share.
+        datasets={"train": preprocess.transform_dataset(src, fitted, cfg, acct)},
+        dataset_config=make_data_config(src, fitted, cfg, shares, cpus_per_worker=0.0 if use_gpu else 1.0),
         run_config=RunConfig(name=name, storage_path=storage_path, storage_filesystem=storage_filesystem,
                              checkpoint_config=CheckpointConfig(num_to_keep=2),
                              failure_config=FailureConfig(max_failures=cfg.train.max_failures)),

@@ -36,20 +36,58 @@ def layouts(tmp_path_factory):
     return out
 
 
-_MATERIALISED = {}
+_FITTED = {}
 
 
 def shares_through_ray(path, world, whole=False):
-    """Row ids each rank receives from the real Ray Train split (DataConfig.configure) of the real dataset."""
-    if path not in _MATERIALISED:
+    """Row ids each rank receives from the real Ray Train split (DataConfig.configure) of the real data,
+    each rank's tasks pinned to this (the only) node; checks every row was transformed there."""
+    import ray
+
+    if path not in _FITTED:
         cfg = make_config(path)
         src = source.inspect(cfg)
-        fitted, acct = preprocess.fit(src, cfg)
-        _MATERIALISED[path] = (preprocess.transform_dataset(src, fitted, cfg, acct).materialize(), src)
-    ds, src = _MATERIALISED[path]
-    its = make_data_config(whole=whole).configure({"train": ds}, world, None, None)
-    return [np.concatenate([b["row_id"] for b in it["train"].iter_batches(batch_size=None, batch_format="numpy")])
-            for it in its], src.num_rows
+        _FITTED[path] = (cfg, src, *preprocess.fit(src, cfg))
+    cfg, src, fitted, acct = _FITTED[path]
+    plan = preprocess.plan_shares(src, acct, world, whole=whole)
+    node = ray.get_runtime_context().get_node_id()
+    its = make_data_config(src, fitted, cfg, plan, cpus_per_worker=0).configure({}, world, None, [node] * world)
+    out = []
+    for it in its:
+        blocks = list(it["train"].iter_batches(batch_size=None, batch_format="numpy"))
+        assert all(b["local"].all() for b in blocks)  # transformed on the rank's node
+        out.append(np.concatenate([b["row_id"] for b in blocks]))
+    return out, src.num_rows
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("whole", [False, True])
+def test_plan_shares_cuts_usable_rows_into_contiguous_ranges(world, whole):
+    """Over fragments yielding varied numbers of usable rows (some none, after drops or quarantine),
+    rank r's pieces are exactly positions [r*N/W, (r+1)*N/W) of the usable rows, in order."""
+    from types import SimpleNamespace
+
+    from pipeline.source import Fragment
+
+    rng = np.random.default_rng(world)
+    frags, used, start = [], {}, 0
+    for i in range(40):
+        rows = int(rng.integers(0, 300))
+        frags.append(Fragment(f"f{i}", 0, start, rows))
+        used[start] = int(rng.integers(0, rows + 1)) if rng.random() > 0.2 else 0
+        start += rows
+    plan = preprocess.plan_shares(SimpleNamespace(fragments=frags), SimpleNamespace(used_by_fragment=used), world,
+                                  whole=whole)
+    positions = []  # (fragment index, position among its usable rows) in global order
+    for i, f in enumerate(frags):
+        positions += [(i, k) for k in range(used[f.row_start])]
+    n = len(positions)
+    index = {f.row_start: i for i, f in enumerate(frags)}
+    for r, pieces in enumerate(plan):
+        got = [(index[p.fragment.row_start], k) for p in pieces for k in range(p.lo, p.hi)]
+        lo, hi = (0, n) if whole else rank_bounds(n, world, r)
+        assert got == positions[lo:hi]
+        assert all(p.hi > p.lo for p in pieces)
 
 
 @pytest.mark.ray

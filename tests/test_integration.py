@@ -41,9 +41,9 @@ def test_distributed_fit_equals_single_process_fit(ray_local, demo_dir):
 def test_training_path_arrays_equal_serving_path(ray_local, demo_dir, tmp_path):
     cfg = make_config(demo_dir)
     src = source.inspect(cfg)
-    fitted, _ = preprocess.fit(src, cfg)
+    fitted, acct = preprocess.fit(src, cfg)
     fitted.save(str(tmp_path / "p.json"))
-    rows = preprocess.transform_dataset(src, fitted, cfg).take_all()
+    rows = preprocess.transform_dataset(src, fitted, cfg, acct).take_all()
     assert sorted(r["row_id"] for r in rows) == list(range(src.num_rows))  # every row once
     rows.sort(key=lambda r: r["row_id"])
     served = FittedPreprocessor.load(str(tmp_path / "p.json")).transform(

@@ -11,6 +11,7 @@ What the cluster run must show:
   hold-out removed), and drew from it exactly the batches an uninterrupted single-machine run draws;
 - every training row is used once per epoch, apart from the reported drop_last remainder;
 - every rank ran the same number of steps;
+- each rank's share was read and transformed on the rank's own node (locality);
 - after a worker node is lost mid-epoch (its raylet and every process on it killed, its objects
   lost), Ray Train restarts the workers from the latest committed mid-epoch checkpoint on the
   remaining nodes and the run continues exactly: the same batches, losses and accuracy as the
@@ -49,9 +50,11 @@ CLUSTER_SCRIPT = textwrap.dedent('''
 
     data, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     small = dict(object_store_memory=150 * 1024**2)
-    # node_loss: the head keeps one CPU, as real heads do. Blocks of the materialised dataset that lived
-    # on the lost node are rebuilt from lineage by Ray Data tasks, which need a CPU the restarted
-    # training workers do not hold (with none free the job waits forever).
+    # node_loss: the head keeps one CPU, as real heads do. After the loss the restarted training
+    # workers hold every CPU of the surviving worker node and the head's; each re-reads its share
+    # with Ray Data tasks, which need a CPU the training workers do not hold (with none free the job
+    # would wait forever). The rank restarted on the head has no spare CPU there, so its share is
+    # transformed on the other node (its [data] line says 0% on this node).
     head_cpus = 1 if mode == "node_loss" else 0
     cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=head_cpus, include_dashboard=False, **small))
     nodes = {"head": cluster.head_node,
@@ -250,6 +253,11 @@ def test_cluster_spreads_ranks_and_splits_rows_exactly(plain_run):
     assert set(per_rank.values()) == {nodes["a"], nodes["b"]}
     if "node_ids" in summary["run"]["epochs"][0]:  # once the job reports each rank's node itself
         assert summary["run"]["epochs"][0]["node_ids"] == [per_rank[r] for r in range(WORLD)]
+    # Locality: every row of each rank's share was read and transformed on the rank's own node (its
+    # worker node has a CPU to spare for Ray Data tasks), so no transformed block crossed the network.
+    first = summary["run"]["epochs"][0]
+    assert first["share_rows"] == [ROWS * (r + 1) // WORLD - ROWS * r // WORLD for r in range(WORLD)]
+    assert first["share_rows_local"] == first["share_rows"], first
 
     check_rows_and_steps(text, summary, expected, sizes, steps)
     for r in range(WORLD):  # each rank drew exactly the batches of its share, the same number of steps
