@@ -22,7 +22,7 @@ from torch import nn
 from . import preprocess, source, storage
 from .config import Config
 from .dataset import TabularDataset
-from .errors import DataError
+from .errors import DataError, PipelineError
 from .loader import DeviceLoader
 from .metrics import StepStats, timed
 from .preprocess import FittedPreprocessor
@@ -309,6 +309,29 @@ def run_name(cfg: Config) -> str:
     return cfg.run.name if cfg.run.resume else f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+RESUME_KEYS = ("num_workers", "batch_size", "seed", "shuffle", "drop_last")
+
+
+def check_resume(cfg: Config, out_uri: str) -> None:
+    """With run.resume, refuse up front (not inside every worker, after Ray Train retries) a run whose
+    settings could not continue the checkpoint's batch order exactly."""
+    snapshot = storage.join(out_uri, "checkpoint_manager_snapshot.json")
+    if not cfg.run.resume or not storage.exists(*storage.filesystem(snapshot)):
+        return
+    latest = (storage.read_json(snapshot) or {}).get("latest_checkpoint_result") or {}
+    if not latest.get("checkpoint_dir_name"):
+        return
+    saved_uri = storage.join(out_uri, latest["checkpoint_dir_name"], "config.json")
+    saved = Config.model_validate(storage.read_json(saved_uri))
+    diff = [f"train.{k} = {getattr(saved.train, k)!r} there, {getattr(cfg.train, k)!r} now" for k in RESUME_KEYS
+            if getattr(saved.train, k) != getattr(cfg.train, k)]
+    if diff:
+        raise PipelineError(f"cannot resume run '{out_uri}' exactly: its last checkpoint ({saved_uri}) was written with "
+                        f"{'; '.join(diff)}. Each rank's rows and batch order depend on these, so the run would not "
+                        f"continue where it stopped. Resume with the checkpoint's values, or start a new run "
+                        f"(run.resume = false)")
+
+
 def fit_preprocessor(cfg: Config, out_uri: str):
     """Validate, then one distributed pass: the fitted preprocessor (saved) and the row accounting."""
     src = source.inspect(cfg)
@@ -341,6 +364,7 @@ def run(cfg: Config) -> dict[str, Any]:
     name = run_name(cfg)
     out_uri = storage.join(cfg.run.output, name)
     t_start = time.perf_counter()
+    check_resume(cfg, out_uri)
     src, fitted, acct = fit_preprocessor(cfg, out_uri)
 
     if not acct.balanced:

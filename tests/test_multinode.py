@@ -54,7 +54,7 @@ CLUSTER_SCRIPT = textwrap.dedent('''
     # workers hold every CPU of the surviving worker node and the head's; each re-reads its share
     # with Ray Data tasks, which need a CPU the training workers do not hold (with none free the job
     # would wait forever). The rank restarted on the head has no spare CPU there, so its share is
-    # transformed on the other node (its [data] line says 0% on this node).
+    # transformed on the other node (its [data] line says 0%% on this node).
     head_cpus = 1 if mode == "node_loss" else 0
     cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=head_cpus, include_dashboard=False, **small))
     nodes = {"head": cluster.head_node,

@@ -76,3 +76,11 @@ def test_killed_run_resumes_exactly(tmp_path):
     metrics = json.load(open(os.path.join(run_dir, "metrics.json")))
     assert [e["epoch"] for e in metrics["epochs"]] == [1, 2]
     assert metrics["accounting"]["balanced"]
+
+    # Resuming with another number of workers could not continue the same batches: refused up front,
+    # in one paragraph, with no traceback and nothing trained.
+    other = subprocess.run([*train_cmd(data, out, "cut"), "--train.num_workers", "1"], env=env(), cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert "cannot resume run" in other.stderr and "train.num_workers = 2 there, 1 now" in other.stderr
+    assert "Traceback" not in other.stderr and "[train]" not in other.stdout
