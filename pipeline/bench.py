@@ -5,6 +5,8 @@ in-memory rows and the same shuffled order.
   (b) Ray Data: iter_torch_batches over the same rows (already in the shuffled order: no shuffle cost)
   (c) this project: DeviceLoader
   (d) limit: index_select of the same indices into preallocated buffers, in a bare loop
+  (e) ceiling: the same order gathered ~4 MiB per index_select with no batches cut (the memory
+      system's rate for this random access; a loader cannot beat it)
 
 Figures are rows/s; ratios are measured side by side, so machine noise affects all columns alike.
 Slow methods are measured over a time budget (their rate is steady after the first batch).
@@ -143,6 +145,21 @@ def bench_limit(d: Data, batch: int, max_rows: int, budget: float) -> float:
     return _rate(loop(), lambda b: b.shape[0], max_rows, budget)
 
 
+def bench_bulk(d: Data, max_rows: int, budget: float) -> float:
+    """The memory system's ceiling for this order: the same rows gathered ~4 MiB per index_select (the
+    loader's chunk size), with no batches cut from them. Batch size plays no part."""
+    src = d.ds.rows
+    n = len(d.perm)
+    chunk = min(DeviceLoader(d.ds, BatchSampler(n, 1, drop_last=False)).chunk_rows, max(1, n // 4))
+
+    def loop():
+        while True:  # round and round the order until max_rows or the time budget
+            for s in range(0, n - chunk + 1, chunk):
+                yield torch.index_select(src, 0, d.perm[s:s + chunk])
+
+    return _rate(loop(), lambda b: b.shape[0], max_rows, budget)
+
+
 def loader_peak_memory(d: Data, batch: int) -> int:
     """Peak resident memory added while the loader runs one epoch (sampled every millisecond)."""
     import ctypes
@@ -257,6 +274,8 @@ def run(rows: int, features: int, cats: int, batches: list[int], device: str, bu
             "c_loader": lambda: bench_loader(d, b, device, rows, budget * 2),
             "d_limit": lambda: bench_limit(d, b, rows, budget * 2),
         }
+        if b == batches[0]:
+            methods["e_bulk_gather"] = lambda: bench_bulk(d, rows, budget * 2)
         if with_ray:
             methods["b_ray_iter_torch_batches"] = lambda: bench_ray(d, b, rows, budget)
         samples: dict[str, list[float]] = {k: [] for k in methods}
@@ -271,6 +290,8 @@ def run(rows: int, features: int, cats: int, batches: list[int], device: str, bu
             r["ratio_c_over_b"] = r["c_loader"] / r["b_ray_iter_torch_batches"]
         r["ratio_c_over_d"] = r["c_loader"] / r["d_limit"]
         results["by_batch"][str(b)] = r
+        if "e_bulk_gather" in r:
+            results["bulk_gather"] = r.pop("e_bulk_gather")
     results["shard_bytes"] = shard_bytes
     results["loader_peak_extra_bytes"] = loader_peak_memory(d, batches[0])
     results["loader_peak_extra_pct_of_shard"] = 100.0 * results["loader_peak_extra_bytes"] / shard_bytes
@@ -290,6 +311,12 @@ def table(res: dict) -> str:
         cb = f"{r['ratio_c_over_b']:>7.1f}" if "ratio_c_over_b" in r else f"{'-':>7}"
         lines.append(f"{b:>6} {vals} {r['ratio_c_over_a']:>7.1f} {cb} {r['ratio_c_over_d']:>6.2f}")
     lines.append("")
+    if "bulk_gather" in res:
+        e = res["bulk_gather"]
+        ray_b = {b: r.get("b_ray_iter_torch_batches") for b, r in res["by_batch"].items()}
+        vs = ", ".join(f"{e / v:.0f}x Ray at batch {b}" for b, v in ray_b.items() if v)
+        lines.append(f"(e) ceiling, the same order gathered in ~4 MiB chunks, no batches cut: {e / 1e6:.3f} M rows/s"
+                     + (f" ({vs})" if vs else ""))
     lines.append(f"loader peak memory beyond the shard: {res['loader_peak_extra_bytes'] / 2**20:.1f} MiB "
                  f"= {res['loader_peak_extra_pct_of_shard']:.1f}% of the {res['shard_bytes'] / 2**20:.0f} MiB shard")
     if "cuda" in res:

@@ -88,7 +88,8 @@ class DeviceLoader(_Position):
         self._ring: list[tuple[torch.Tensor, torch.cuda.Event | None]] | None = None  # pinned packed buffers
         self._delivered = 0  # batches handed to the caller in the epoch below
         self._epoch_of_delivered = sampler.epoch
-        self.last_index: torch.Tensor | None = None  # dataset indices of the batch last delivered
+        self._index: torch.Tensor | None = None  # the last batch's indices are _index[_index_at:][:batch_size]
+        self._index_at = 0
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -96,6 +97,13 @@ class DeviceLoader(_Position):
     @property
     def batch_size(self) -> int:
         return self.sampler.batch_size
+
+    @property
+    def last_index(self) -> torch.Tensor | None:
+        """Dataset indices of the batch last delivered (sliced on request: not a cost on every batch)."""
+        if self._index is None:
+            return None
+        return self._index[self._index_at:self._index_at + self.sampler.batch_size]
 
     def __iter__(self) -> Iterator[Batch]:
         self._epoch_of_delivered = self.sampler.epoch
@@ -126,9 +134,10 @@ class DeviceLoader(_Position):
     def _views(self, rows: torch.Tensor, idx: torch.Tensor) -> Iterator[Batch]:
         """The batches of a gathered chunk as views (built by four splits, not per-batch slicing)."""
         f, c, b = self.dataset.num_features, self.dataset.num_categorical, self.sampler.batch_size
-        parts = zip(rows[:, :f].split(b), rows[:, f:f + c].view(torch.int32).split(b), rows[:, f + c].split(b),
-                    idx.split(b))
-        for x_num, x_cat, y, self.last_index in parts:
+        self._index = idx
+        parts = zip(rows[:, :f].split(b), rows[:, f:f + c].view(torch.int32).split(b), rows[:, f + c].split(b))
+        for k, (x_num, x_cat, y) in enumerate(parts):
+            self._index_at = k * b
             self._delivered += 1
             yield Batch(x_num, x_cat, y)
 
@@ -145,10 +154,11 @@ class DeviceLoader(_Position):
     def _iter_resident(self) -> Iterator[Batch]:
         perm = self.sampler.order(self.sampler.epoch).to(self.device, non_blocking=False)
         get = self.dataset.get_batch
+        self._index = perm
         for start, stop in self.sampler.spans():
             self._delivered += 1
-            self.last_index = idx = perm[start:stop]
-            yield get(idx)
+            self._index_at = start
+            yield get(perm[start:stop])
 
     # -- CUDA, pinned host ring + side-stream copies -------------------------------------------
 

@@ -16,5 +16,6 @@ def test_bench_writes_table_json_and_plot(tmp_path, capsys):
         for k in ("a_textbook_w0", "a_textbook_w2", "c_loader", "d_limit"):
             assert r[k] > 0
         assert abs(r["ratio_c_over_d"] - r["c_loader"] / r["d_limit"]) < 1e-9
+    assert res["bulk_gather"] > 0
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "c/d" in capsys.readouterr().out

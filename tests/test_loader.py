@@ -218,3 +218,10 @@ def test_chunked_gathers_deliver_the_same_batches_and_resume_mid_chunk(chunk_row
     resumed.load_state_dict(state)
     rest = list(resumed)  # every batch kept until all chunks were gathered: none may be overwritten
     assert [rows_of(x) for x in kept + rest] == expected
+
+
+def test_last_index_names_the_rows_of_the_batch_just_delivered():
+    loader = make_loader(1003, 64, seed=2)
+    loader.chunk_rows = 200  # chunks of three batches: crosses chunk boundaries and the short last batch
+    for batch in loader:
+        assert loader.last_index.tolist() == rows_of(batch)
