@@ -44,4 +44,6 @@ def quiet_ray_data(progress: bool = True) -> None:
     ctx.print_on_execution_start = False
     ctx.enable_rich_progress_bars = False
     logging.getLogger("ray.data").setLevel(logging.WARNING)
+    # "Progress bars disabled. To enable, ..." once per process: disabled on purpose here.
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR if not progress else logging.WARNING)
     logging.getLogger("ray.train").setLevel(logging.WARNING)
