@@ -95,6 +95,10 @@ class LoaderSection(_Section):
                              "one large gather is up to 2x faster than one per batch, and costs about twice this "
                              "much memory")
     device_memory_fraction: float = Field(0.5, gt=0.0, le=1.0, description="share of free GPU memory placement=auto may use")
+    spill: Literal["auto", "never", "always"] = Field(
+        "auto", description="keep a rank's rows in a memory-mapped file on local disk instead of RAM: always, never, "
+                            "or auto (when the rows need more than half of the node's available memory)")
+    spill_dir: str = Field("", description="local directory for spilled rows (default: the system temp dir)")
 
 
 class RunSection(_Section):

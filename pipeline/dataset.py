@@ -14,6 +14,7 @@ Row ids travel beside the rows, so every consumer can check that it saw each row
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 from typing import Iterable, NamedTuple
 
@@ -41,8 +42,32 @@ def unpack(rows: torch.Tensor, num_features: int, num_categorical: int) -> Batch
     return Batch(rows[:, :f], rows[:, f:f + c].view(torch.int32), rows[:, f + c])
 
 
-def alloc_rows(n: int, width: int, *, pin: bool = False) -> torch.Tensor:
-    """An uninitialised float32 [n, width] tensor, advised onto huge pages before first touch."""
+def alloc_rows(n: int, width: int, *, pin: bool = False, spill_dir: str | None = None) -> torch.Tensor:
+    """An uninitialised float32 [n, width] tensor, advised onto huge pages before first touch.
+
+    spill_dir: back the tensor by a file there instead of anonymous memory (a shard larger than RAM):
+    the page cache keeps what fits and the OS reads the rest from disk on demand. The file is
+    unlinked as soon as it is mapped, so it takes disk space only while the tensor lives and nothing
+    is left behind, even if the process is killed."""
+    if spill_dir is not None:
+        import tempfile
+
+        os.makedirs(spill_dir, exist_ok=True)
+        fd, path = tempfile.mkstemp(prefix="rows-", suffix=".f32", dir=spill_dir)
+        try:
+            try:  # reserve the blocks now: a full disk is then an error here, not a SIGBUS mid-training
+                os.posix_fallocate(fd, 0, max(1, n * width * 4))
+            except OSError as e:
+                from .errors import PipelineError
+
+                raise PipelineError(f"cannot reserve {n * width * 4 / 2**30:.1f} GiB in '{spill_dir}' for this rank's "
+                                    f"rows ({e.strerror}); point loader.spill_dir at a local disk with room, or "
+                                    f"use more workers (train.num_workers) so each share is smaller") from None
+            mm = np.memmap(path, dtype=np.float32, mode="r+", shape=(n, width)) if n else np.empty((0, width), np.float32)
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        return torch.from_numpy(mm)
     if pin:
         return torch.empty((n, width), dtype=torch.float32, pin_memory=True)
     t = torch.empty((n, width), dtype=torch.float32)
@@ -60,12 +85,14 @@ def alloc_rows(n: int, width: int, *, pin: bool = False) -> torch.Tensor:
 class TabularDataset:
     """One rank's rows: packed features, category ids and label (see module doc), plus row ids."""
 
-    def __init__(self, rows: torch.Tensor, num_features: int, num_categorical: int, row_id: torch.Tensor | None = None):
+    def __init__(self, rows: torch.Tensor, num_features: int, num_categorical: int, row_id: torch.Tensor | None = None,
+                 *, spill_dir: str | None = None):
         if rows.dim() != 2 or rows.dtype != torch.float32 or rows.shape[1] != num_features + num_categorical + 1:
             raise ValueError(f"packed rows must be float32 [n, {num_features} + {num_categorical} + 1], "
                              f"got {rows.dtype} {tuple(rows.shape)}")
         self.rows = rows.contiguous()
         self.num_features, self.num_categorical = num_features, num_categorical
+        self.spill_dir = spill_dir  # where derived datasets (subsets, splits) put their rows; None: memory
         n = rows.shape[0]
         self.row_id = (row_id if row_id is not None else torch.arange(n, dtype=torch.int64)).contiguous()
         if self.row_id.shape != (n,):
@@ -78,23 +105,25 @@ class TabularDataset:
                                  **({} if row_id is None else {"row_id": row_id})}], sort=False)
 
     @classmethod
-    def from_blocks(cls, blocks: Iterable[dict[str, np.ndarray]], *, sort: bool = True) -> "TabularDataset":
+    def from_blocks(cls, blocks: Iterable[dict[str, np.ndarray]], *, sort: bool = True,
+                    spill_dir: str | None = None) -> "TabularDataset":
         """Pack transformed blocks (x_num, x_cat, y and optionally row_id) into one tensor. With sort,
-        rows are put in row-id order, so the result does not depend on the order blocks arrived in."""
+        rows are put in row-id order, so the result does not depend on the order blocks arrived in.
+        spill_dir: keep the rows in a memory-mapped file there (see alloc_rows), not in memory."""
         blocks = [b for b in blocks if len(b["y"])]
         if not blocks:
             raise ValueError("no rows: this rank received an empty shard")
         f, c = np.asarray(blocks[0]["x_num"]).shape[1], np.asarray(blocks[0]["x_cat"]).shape[1]
         ids = np.concatenate([b["row_id"] for b in blocks]) if "row_id" in blocks[0] else None
-        ds = cls._pack(blocks, f, c, ids)
+        ds = cls._pack(blocks, f, c, ids, spill_dir)
         if ids is not None and sort and ids.size > 1 and not (ids[1:] > ids[:-1]).all():
             ds = ds.sorted_by_row_id()
         return ds
 
     @classmethod
-    def _pack(cls, blocks, f: int, c: int, ids: np.ndarray | None) -> "TabularDataset":
+    def _pack(cls, blocks, f: int, c: int, ids: np.ndarray | None, spill_dir: str | None) -> "TabularDataset":
         n = sum(len(b["y"]) for b in blocks)
-        rows = alloc_rows(n, f + c + 1)
+        rows = alloc_rows(n, f + c + 1, spill_dir=spill_dir)
         packed = rows.numpy()
         at = 0
         for b in blocks:
@@ -103,7 +132,8 @@ class TabularDataset:
             packed[at:at + k, f:f + c].view(np.int32)[:] = b["x_cat"]  # ids < 2**31 by construction
             packed[at:at + k, f + c] = b["y"]
             at += k
-        return cls(rows, f, c, None if ids is None else torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)))
+        return cls(rows, f, c, None if ids is None else torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)),
+                   spill_dir=spill_dir)
 
     def sorted_by_row_id(self) -> "TabularDataset":
         return self.subset(torch.argsort(self.row_id, stable=True))
@@ -157,11 +187,13 @@ class TabularDataset:
         if idx.dtype == torch.bool:
             idx = idx.nonzero().squeeze(1)
         idx = idx.to(self.rows.device)
-        if self.rows.device.type == "cpu":  # onto huge pages, like the shard it comes from
-            rows = torch.index_select(self.rows, 0, idx, out=alloc_rows(idx.numel(), self.width))
+        if self.rows.device.type == "cpu":  # onto huge pages (or disk), like the shard it comes from
+            rows = torch.index_select(self.rows, 0, idx, out=alloc_rows(idx.numel(), self.width,
+                                                                        spill_dir=self.spill_dir))
         else:
             rows = self.rows.index_select(0, idx)
-        return TabularDataset(rows, self.num_features, self.num_categorical, self.row_id[idx.to(self.row_id.device)])
+        return TabularDataset(rows, self.num_features, self.num_categorical, self.row_id[idx.to(self.row_id.device)],
+                              spill_dir=self.spill_dir)
 
     def to(self, device, non_blocking: bool = False) -> "TabularDataset":
         return TabularDataset(self.rows.to(device, non_blocking=non_blocking), self.num_features, self.num_categorical,

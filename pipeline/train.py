@@ -142,7 +142,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
     t = cfg.train
     node_ids = _all_gather(ray.get_runtime_context().get_node_id())  # where each rank runs, by rank
 
-    full, local = receive_share(ray.train.get_dataset_shard("train"), loop_config["share_rows"][rank], rank)
+    full, local = receive_share(ray.train.get_dataset_shard("train"), loop_config["share_rows"][rank], rank, cfg,
+                                fitted.num_features + len(fitted.categorical) + 1, ctx.get_local_world_size())
     local_rows = _all_gather_int(local)  # rows each rank's share had transformed on the rank's own node
     train_ds, val_ds = full.split_holdout(cfg.data.val_fraction, t.seed)
     del full
@@ -289,9 +290,38 @@ def _spare_cpus(worker_node_ids, cpus_per_worker: float) -> dict[str, int]:
     return {node: int(totals.get(node, 0) - cpus_per_worker * worker_node_ids.count(node)) for node in set(worker_node_ids)}
 
 
-def receive_share(iterator, expected_rows: int, rank: int) -> tuple[TabularDataset, int]:
-    """Materialise this rank's share once (epochs then never touch Ray), check that it holds exactly
-    the planned number of rows, and say how much of it was transformed on this node."""
+def available_memory() -> int:
+    """Bytes of memory this node can still give without swapping (MemAvailable; 0 where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def spill_dir_for(cfg: Config, rows: int, width: int, ranks_on_node: int = 1) -> tuple[str | None, str]:
+    """(directory for a memory-mapped share or None for RAM, and why) per loader.spill. The share is
+    held twice for a moment (whole, then split into training and validation rows), by every rank on
+    the node."""
+    need, avail = 2 * rows * width * 4 * ranks_on_node, available_memory()
+    spill = cfg.loader.spill == "always" or (cfg.loader.spill == "auto" and 0 < avail < 2 * need)
+    if not spill:
+        return None, "in memory"
+    d = cfg.loader.spill_dir or os.path.join(tempfile.gettempdir(), "pipeline-spill")
+    why = "loader.spill = always" if cfg.loader.spill == "always" else \
+        f"{need / 2**30:.1f} GiB needed, {avail / 2**30:.1f} GiB available"
+    return d, f"memory-mapped from files in {d} ({why})"
+
+
+def receive_share(iterator, expected_rows: int, rank: int, cfg: Config, width: int,
+                  ranks_on_node: int = 1) -> tuple[TabularDataset, int]:
+    """Materialise this rank's share once (epochs then never touch Ray), in memory or memory-mapped
+    from local disk (loader.spill), check that it holds exactly the planned number of rows, and say
+    how much of it was transformed on this node."""
+    spill_dir, where = spill_dir_for(cfg, expected_rows, width, ranks_on_node)
     t0 = time.perf_counter()
     blocks = list(iterator.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2))
     n = sum(len(b["y"]) for b in blocks)
@@ -299,9 +329,10 @@ def receive_share(iterator, expected_rows: int, rank: int) -> tuple[TabularDatas
     if n != expected_rows:
         raise DataError(f"rank {rank} received {n:,} rows but its planned share is {expected_rows:,}; was data.path "
                         f"modified during the run?")
+    ds = TabularDataset.from_blocks(blocks, spill_dir=spill_dir)
     print(f"[data] rank {rank}: {n:,} rows in {len(blocks)} blocks, {100.0 * local / max(1, n):.0f}% transformed on "
-          f"this node, in {time.perf_counter() - t0:.1f}s", flush=True)
-    return TabularDataset.from_blocks(blocks), local
+          f"this node, in {time.perf_counter() - t0:.1f}s; rows {where}", flush=True)
+    return ds, local
 
 
 def run_name(cfg: Config) -> str:

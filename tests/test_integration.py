@@ -76,3 +76,17 @@ def test_whole_job_learns_and_saves_everything(ray_local, demo_dir, tmp_path):
     assert {"model", "optimizer", "loader", "history"} <= state.keys()
     assert state["loader"]["epoch"] == 3 and state["loader"]["step"] == 0
     assert storage.read_json(storage.join(run, "metrics.json"))["rows_read"] == 24_000
+
+
+@pytest.mark.slow
+def test_rows_memory_mapped_from_disk_train_exactly_as_in_memory(ray_local, demo_dir, tmp_path):
+    """loader.spill = always: each rank's rows live in a memory-mapped (already unlinked) file on local
+    disk; the run is the same, loss for loss, and nothing is left in the spill directory."""
+    spill = tmp_path / "spill"
+    common = {"train.epochs": 1, "train.batch_size": 256, "train.num_workers": 2, "train.hidden": [32]}
+    mem = train.run(make_config(demo_dir, **{"run.output": str(tmp_path / "a"), **common, "loader.spill": "never"}))
+    disk = train.run(make_config(demo_dir, **{"run.output": str(tmp_path / "b"), **common, "loader.spill": "always",
+                                              "loader.spill_dir": str(spill)}))
+    for key in ("train_loss", "val_loss", "val_acc", "rows"):
+        assert disk["epochs"][0][key] == mem["epochs"][0][key], key
+    assert spill.is_dir() and not list(spill.iterdir())

@@ -225,3 +225,32 @@ def test_last_index_names_the_rows_of_the_batch_just_delivered():
     loader.chunk_rows = 200  # chunks of three batches: crosses chunk boundaries and the short last batch
     for batch in loader:
         assert loader.last_index.tolist() == rows_of(batch)
+
+
+def test_spilled_dataset_is_file_backed_and_serves_the_same_batches(tmp_path):
+    import gc
+
+    from pipeline.dataset import alloc_rows
+
+    blocks = [{"x_num": numbered_dataset(500).x_num.numpy(), "x_cat": numbered_dataset(500).x_cat.numpy(),
+               "y": np.arange(500, dtype=np.float32), "row_id": np.arange(500)}]
+    mem = TabularDataset.from_blocks(blocks)
+    disk = TabularDataset.from_blocks(blocks, spill_dir=str(tmp_path))
+    train, val = disk.split_holdout(0.2, 0)
+
+    def mapped():
+        with open("/proc/self/maps") as f:
+            return [ln for ln in f if str(tmp_path) in ln]
+
+    assert mapped() and all("(deleted)" in ln for ln in mapped())  # mapped files, already unlinked
+    assert not list(tmp_path.iterdir())  # nothing left on disk to clean up
+    assert train.spill_dir == val.spill_dir == str(tmp_path)
+    for a, b in zip(mem.split_holdout(0.2, 0), (train, val)):
+        la = DeviceLoader(a, BatchSampler(len(a), 32, seed=1, drop_last=False))
+        lb = DeviceLoader(b, BatchSampler(len(b), 32, seed=1, drop_last=False))
+        assert [rows_of(x) for x in la] == [rows_of(x) for x in lb]
+    del disk, train, val, a, b, la, lb
+    gc.collect()
+    assert not mapped()  # the mappings go with the tensors
+    with pytest.raises(PipelineError, match="cannot reserve"):
+        alloc_rows(1 << 40, 8, spill_dir=str(tmp_path))  # 32 TiB: no disk has room
