@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .dataset import TabularDataset
-from .loader import DeviceLoader
+from .loader import CHUNK_BYTES, DeviceLoader
 from .sampler import BatchSampler
 
 
@@ -150,7 +150,7 @@ def bench_bulk(d: Data, max_rows: int, budget: float) -> float:
     loader's chunk size), with no batches cut from them. Batch size plays no part."""
     src = d.ds.rows
     n = len(d.perm)
-    chunk = min(DeviceLoader(d.ds, BatchSampler(n, 1, drop_last=False)).chunk_rows, max(1, n // 4))
+    chunk = min(CHUNK_BYTES // (4 * d.ds.width), max(1, n // 4))
 
     def loop():
         while True:  # round and round the order until max_rows or the time budget

@@ -86,12 +86,15 @@ class TrainSection(_Section):
         return self
 
 
+CHUNK_MIB = 4.0  # rows gathered per index_select: large enough to amortise the call, small in memory
+
+
 class LoaderSection(_Section):
     placement: Literal["auto", "host", "device"] = Field(
         "auto", description="device: keep the shard on the GPU; host: pinned host memory; auto: device if it fits"
     )
     prefetch: int = Field(2, ge=1, description="chunks of batches copied to the GPU ahead of use")
-    chunk_mib: float = Field(4.0, gt=0.0, description="MiB of rows (whole consecutive batches) fetched per gather; "
+    chunk_mib: float = Field(CHUNK_MIB, gt=0.0, description="MiB of rows (whole consecutive batches) fetched per gather; "
                              "one large gather is up to 2x faster than one per batch, and costs about twice this "
                              "much memory")
     device_memory_fraction: float = Field(0.5, gt=0.0, le=1.0, description="share of free GPU memory placement=auto may use")

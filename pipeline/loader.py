@@ -24,8 +24,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .config import CHUNK_MIB
 from .dataset import Batch, TabularDataset
 from .sampler import BatchSampler
+
+
+CHUNK_BYTES = int(CHUNK_MIB * 2**20)
 
 
 def resolve_placement(dataset: TabularDataset, device: torch.device, placement: str, memory_fraction: float) -> str:
@@ -75,7 +79,7 @@ class _Position:
 class DeviceLoader(_Position):
     def __init__(self, dataset: TabularDataset, sampler: BatchSampler, device: torch.device | str = "cpu", *,
                  placement: str = "auto", prefetch: int = 2, device_memory_fraction: float = 0.5,
-                 chunk_bytes: int = 4 << 20):
+                 chunk_bytes: int = CHUNK_BYTES):
         if len(dataset) != sampler.dataset_rows:
             raise ValueError(f"sampler is for {sampler.dataset_rows} rows but the dataset has {len(dataset)}")
         self.device = torch.device(device)
@@ -117,19 +121,23 @@ class DeviceLoader(_Position):
 
     # -- rows gathered K batches at a time ----------------------------------------------------
 
-    def _chunks(self) -> Iterator[tuple[torch.Tensor, int]]:
-        """The rest of the epoch as (indices, batches in them): up to `chunk_rows` rows of consecutive
-        batches per gather. One big gather beats many small ones (the call overhead is paid once, and
+    @property
+    def _batches_per_chunk(self) -> int:
+        return max(1, self.chunk_rows // self.sampler.batch_size)
+
+    def _chunks(self) -> Iterator[torch.Tensor]:
+        """The rest of the epoch as index tensors of up to `chunk_rows` rows of consecutive batches,
+        one gather each. One big gather beats many small ones (the call overhead is paid once, and
         torch spreads a large gather over its threads), and batch k is still exactly rows
         order[k*B:(k+1)*B]."""
         perm = self.sampler.order(self.sampler.epoch)
-        k = max(1, self.chunk_rows // self.sampler.batch_size)
+        k = self._batches_per_chunk
         spans = self.sampler.spans()  # advances the sampler; the delivered count is kept apart
         while True:
             group = list(itertools.islice(spans, k))
             if not group:
                 return
-            yield perm[group[0][0]:group[-1][1]], len(group)
+            yield perm[group[0][0]:group[-1][1]]
 
     def _views(self, rows: torch.Tensor, idx: torch.Tensor) -> Iterator[Batch]:
         """The batches of a gathered chunk as views (built by four splits, not per-batch slicing)."""
@@ -146,7 +154,7 @@ class DeviceLoader(_Position):
     def _iter_host(self) -> Iterator[Batch]:
         # A fresh tensor per chunk, never a reused one: a batch the caller keeps stays valid.
         rows = self.dataset.rows
-        for idx, _ in self._chunks():
+        for idx in self._chunks():
             yield from self._views(torch.index_select(rows, 0, idx), idx)
 
     # -- CUDA, shard resident on the GPU ------------------------------------------------------
@@ -164,10 +172,9 @@ class DeviceLoader(_Position):
 
     def _iter_pinned(self) -> Iterator[Batch]:
         ds = self.dataset
-        k = max(1, self.chunk_rows // self.sampler.batch_size)
         if self._ring is None:  # prefetch+1 pinned chunk buffers: one being read by the caller's batches,
             # up to `prefetch` in flight
-            self._ring = [(ds.alloc_batch(k * self.sampler.batch_size, pin=True), None)
+            self._ring = [(ds.alloc_batch(self._batches_per_chunk * self.sampler.batch_size, pin=True), None)
                           for _ in range(self.prefetch + 1)]
         ring = self._ring
         copy_stream = torch.cuda.Stream(self.device)
@@ -190,10 +197,10 @@ class DeviceLoader(_Position):
 
         chunks = self._chunks()
         for _ in range(self.prefetch):
-            nxt = next(chunks, None)
-            if nxt is None:
+            idx = next(chunks, None)
+            if idx is None:
                 break
-            launch(nxt[0])
+            launch(idx)
         compute = torch.cuda.current_stream(self.device)
         while pending:
             dev, ready, idx = pending.popleft()
@@ -201,7 +208,7 @@ class DeviceLoader(_Position):
             dev.record_stream(compute)  # allocated on the copy stream, used on the compute stream
             nxt = next(chunks, None)
             if nxt is not None:
-                launch(nxt[0])  # the next copy overlaps with the caller's compute on these batches
+                launch(nxt)  # the next copy overlaps with the caller's compute on these batches
             yield from self._views(dev, idx)
 
 

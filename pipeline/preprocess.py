@@ -258,7 +258,7 @@ def fragments_dataset(source):
 
     items = [{"fragment": pickle.dumps(f)} for f in source.fragments]
     ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))
-    # Blocks must come out in fragment order: the split across ranks is by position in this order.
+    # Records in fragment order: the float64 merge of partial statistics is then the same every run.
     ds.context.execution_options.preserve_order = True
     return ds
 
@@ -320,7 +320,7 @@ def fit(source, cfg):
     if errors:
         raise DataError(errors[0][1])
     for row_start, n, part, dropped, quarantine in records:
-        acct.merge_fragment(n, part.rows if part else 0, dropped, quarantine, row_start)
+        acct.merge_fragment(row_start, n, part.rows if part else 0, dropped, quarantine)
         if part is not None:
             total = total.merge(part)
     acct.quarantined.sort(key=lambda e: (e["file"], e["row_group"] if e["row_group"] is not None else -1))
@@ -341,6 +341,11 @@ class Piece:
     hi: int
 
 
+def rank_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
+    """Rank r's contiguous share [lo, hi) of n rows: sizes differ by at most one, none is skipped."""
+    return n * rank // world, n * (rank + 1) // world
+
+
 def plan_shares(source, accounting, world: int, whole: bool = False) -> list[list[Piece]]:
     """Which rows each rank owns, as pieces of fragments: rank r gets positions [r*N/W, (r+1)*N/W) of
     the N rows the fit pass counted as usable, in global row order (whole=True: every rank gets all N).
@@ -349,7 +354,7 @@ def plan_shares(source, accounting, world: int, whole: bool = False) -> list[lis
     used = [(f, accounting.used_by_fragment.get(f.row_start, 0)) for f in source.fragments]
     used = [(f, u) for f, u in used if u > 0]
     n = sum(u for _, u in used)
-    bounds = [(0, n)] * world if whole else [(n * r // world, n * (r + 1) // world) for r in range(world)]
+    bounds = [(0, n)] * world if whole else [rank_bounds(n, world, r) for r in range(world)]
     shares: list[list[Piece]] = []
     for lo, hi in bounds:
         pieces, at = [], 0

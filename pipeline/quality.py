@@ -101,12 +101,10 @@ class Accounting:
     def balanced(self) -> bool:
         return self.rows_read == self.rows_used + self.rows_dropped + self.rows_quarantined
 
-    def merge_fragment(self, rows: int, used: int, dropped: Counter, quarantine: dict | None,
-                       row_start: int | None = None) -> None:
+    def merge_fragment(self, row_start: int, rows: int, used: int, dropped: Counter, quarantine: dict | None) -> None:
         self.rows_read += rows
         self.rows_used += used
-        if row_start is not None:
-            self.used_by_fragment[row_start] = used
+        self.used_by_fragment[row_start] = used
         self.dropped.update(dropped)
         if quarantine:
             self.quarantined.append(quarantine)

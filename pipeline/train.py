@@ -25,7 +25,7 @@ from .dataset import TabularDataset
 from .errors import DataError, PipelineError
 from .loader import DeviceLoader
 from .metrics import StepStats, timed
-from .preprocess import FittedPreprocessor
+from .preprocess import FittedPreprocessor, rank_bounds
 from .sampler import BatchSampler
 
 CHECKPOINT_FILE = "state.pt"
@@ -243,11 +243,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
 # On the driver
 
 
-def rank_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
-    """Rank r's contiguous share [lo, hi) of n rows: sizes differ by at most one, none is skipped."""
-    return n * rank // world, n * (rank + 1) // world
-
-
 def rank_sizes(n: int, world: int) -> list[int]:
     return [hi - lo for lo, hi in (rank_bounds(n, world, r) for r in range(world))]
 
@@ -357,10 +352,10 @@ def check_resume(cfg: Config, out_uri: str) -> None:
     diff = [f"train.{k} = {getattr(saved.train, k)!r} there, {getattr(cfg.train, k)!r} now" for k in RESUME_KEYS
             if getattr(saved.train, k) != getattr(cfg.train, k)]
     if diff:
-        raise PipelineError(f"cannot resume run '{out_uri}' exactly: its last checkpoint ({saved_uri}) was written with "
-                        f"{'; '.join(diff)}. Each rank's rows and batch order depend on these, so the run would not "
-                        f"continue where it stopped. Resume with the checkpoint's values, or start a new run "
-                        f"(run.resume = false)")
+        raise PipelineError(f"cannot resume run '{out_uri}' exactly: its last checkpoint ({saved_uri}) was written "
+                            f"with {'; '.join(diff)}. Each rank's rows and batch order depend on these, so the run "
+                            f"would not continue where it stopped. Resume with the checkpoint's values, or start a new "
+                            f"run (run.resume = false)")
 
 
 def fit_preprocessor(cfg: Config, out_uri: str):
@@ -403,7 +398,7 @@ def run(cfg: Config) -> dict[str, Any]:
     shares = preprocess.plan_shares(src, acct, cfg.train.num_workers, whole=cfg.train.shuffle == "global")
     share_rows = [sum(p.hi - p.lo for p in share) for share in shares]
     print(f"[plan] rows per rank {share_rows}, from {[len(s) for s in shares]} row-group pieces; each rank's "
-          f"pieces are read and transformed on its own node", flush=True)
+          f"pieces are read and transformed on its own node where it has a CPU to spare", flush=True)
 
     use_gpu = cfg.train.use_gpu == "true" or (cfg.train.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
     # Ray Train writes through the filesystem pipeline.storage builds (same endpoint, addressing style
