@@ -1,19 +1,41 @@
-"""Parquet shards to GPU trainers on Ray.
+"""Parquet shards to GPU trainers, on Ray or without it.
 
-Serving needs only `FittedPreprocessor` (no Ray, no torch): `FittedPreprocessor.load(path).transform(table)`.
+The public names (everything a training loop needs; nothing else has to be imported from inside):
+
+- `prepare(path, label=..., world_size=...)` -> `IngestPlan`: validate, fit in one pass, plan every
+  rank's share. `plan.trainer_kwargs()` gives TorchTrainer its datasets and DataConfig.
+- `rank_data(plan, batch_size=...)` -> `RankData`: this rank's `train`/`val` rows and a `loader` of
+  `Batch`es (Ray Train, torchrun or a single process).
+- `FittedPreprocessor` (serving, no Ray, no torch): `.load(path).transform(df)` -> `Transformed`.
+- `TabularDataset`, `BatchSampler`, `DeviceLoader`, `WorkerLoader`: the torch side, usable alone.
+- `load_config`, `PipelineError`, `ConfigError`, `DataError`.
+
 Names are imported lazily so that a Ray task importing one module does not pay for torch.
 """
 
-__all__ = ["Batch", "FittedPreprocessor", "TabularDataset"]
+__all__ = ["Batch", "BatchSampler", "ConfigError", "DataError", "DeviceLoader", "FittedPreprocessor", "IngestPlan",
+           "PipelineError", "RankData", "TabularDataset", "Transformed", "WorkerLoader", "load_config", "prepare",
+           "rank_context", "rank_data"]
+
+_WHERE = {
+    "Batch": "dataset", "TabularDataset": "dataset", "BatchSampler": "sampler", "DeviceLoader": "loader",
+    "WorkerLoader": "loader", "FittedPreprocessor": "preprocess", "Transformed": "preprocess", "IngestPlan": "ingest",
+    "RankData": "ingest", "prepare": "ingest", "rank_data": "ingest", "rank_context": "ingest",
+    "PipelineError": "errors", "ConfigError": "errors", "DataError": "errors",
+}
 
 
 def __getattr__(name: str):
-    if name in ("Batch", "TabularDataset"):
-        from . import dataset
+    if name == "load_config":
+        from .config import load
 
-        return getattr(dataset, name)
-    if name == "FittedPreprocessor":
-        from .preprocess import FittedPreprocessor
+        return load
+    if name in _WHERE:
+        import importlib
 
-        return FittedPreprocessor
-    raise AttributeError(name)
+        return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    raise AttributeError(f"module 'pipeline' has no attribute '{name}'")
+
+
+def __dir__():
+    return sorted(__all__)

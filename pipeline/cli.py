@@ -55,7 +55,7 @@ def cmd_validate(cfg: config_mod.Config, args) -> int:
     lenient = cfg.model_copy(update={"quality": cfg.quality.model_copy(update={"on_bad_file": "quarantine"})})
     src = source.inspect(lenient)
     print(f"[validate] {len(src.shards)} good shards, {src.num_rows:,} rows, {len(src.fragments)} row groups under "
-          f"{src.uri}; columns: {len(cfg.feature_columns)} features + label '{cfg.data.label}'")
+          f"{src.uri}; {src.describe_columns()}")
     for b in src.bad_files:
         rows = "rows unknown" if b.rows is None else f"{b.rows:,} rows"
         print(f"[validate] BAD {b.path} ({rows}): {b.reason}")
@@ -71,7 +71,7 @@ def cmd_fit(cfg: config_mod.Config, args) -> int:
     from . import runtime, storage, train
 
     runtime.init_ray(cfg)
-    train.fit_preprocessor(cfg, storage.join(cfg.run.output, train.run_name(cfg)))
+    train.prepare_run(cfg, storage.join(cfg.run.output, train.run_name(cfg)), cfg.train.num_workers)
     return 0
 
 
@@ -81,10 +81,14 @@ def cmd_train(cfg: config_mod.Config, args) -> int:
     runtime.init_ray(cfg)
     summary = train.run(cfg)
     rows = summary["epochs"]
-    print("\nepoch  train_loss  val_acc  baseline  rows/s       data_wait%")
+    metric = rows[0].get("metric", "val") if rows else "val"
+    first = summary["targets"][0]
+    print(f"\ntarget '{first['name']}' ({first['kind']}): {metric} on the validation rows, beside the baseline "
+          f"({'the majority class' if metric == 'val_acc' else 'predicting the training mean'})")
+    print(f"epoch  train_loss  {metric:>8}  baseline  rows/s       data_wait%")
     for m in rows:
-        print(f"{m['epoch']:>5}  {m['train_loss']:>10.4f}  {m.get('val_acc', float('nan')):>7.4f}  "
-              f"{m.get('baseline_acc', float('nan')):>8.4f}  {m['rows_per_s']:>11,.0f}  {m['data_wait_pct']:>10.1f}")
+        print(f"{m['epoch']:>5}  {m['train_loss']:>10.4f}  {m.get('val_metric', float('nan')):>8.4f}  "
+              f"{m.get('baseline', float('nan')):>8.4f}  {m['rows_per_s']:>11,.0f}  {m['data_wait_pct']:>10.1f}")
     print(f"\n[rows] {summary['accounting_summary']}")
     print(f"[train] done in {summary['wall_s']:.1f}s; run folder {summary['run']}; checkpoint {summary['checkpoint']}; "
           f"preprocessor {summary['preprocessor']}")

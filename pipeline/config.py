@@ -24,12 +24,38 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+TargetKind = Literal["auto", "binary", "multiclass", "regression"]
+
+
 class DataSection(_Section):
     path: str = Field("data/demo", description="directory or URI (s3://, gs://) holding the Parquet shards")
-    label: str = Field("label", description="binary label column (0/1 or bool)")
-    numeric: tuple[str, ...] = Field(DEMO_NUMERIC, description="numeric feature columns")
-    categorical: tuple[str, ...] = Field(DEMO_CATEGORICAL, description="categorical feature columns")
+    label: str | tuple[str, ...] = Field(
+        "label", description="target column, a list of target columns, or \"\" / [] for none (unlabelled data)")
+    target_kind: TargetKind | dict[str, TargetKind] = Field(
+        "auto", description="binary | multiclass | regression, or auto: float -> regression, bool or 0/1 "
+                            "integers -> binary, other integers and strings -> multiclass (a table sets it per target)")
+    weight: str = Field("", description="optional per-row weight column (a non-negative number)")
+    numeric: tuple[str, ...] = Field((), description="numeric feature columns (numbers, or fixed-length lists of "
+                                                     "numbers such as embeddings); with categorical empty too: inferred")
+    categorical: tuple[str, ...] = Field((), description="categorical feature columns (strings, integers, bools)")
+    exclude: tuple[str, ...] = Field((), description="columns never inferred as features (ids, other targets)")
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="share of rows held out for validation")
+    val_seed: int = Field(0, description="seed of the hold-out: a row is held out by a hash of its row id and this")
+
+    @field_validator("label", mode="before")
+    @classmethod
+    def _label_list(cls, v):
+        return tuple(v) if isinstance(v, list) else v
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The target columns, in order (empty: unlabelled data)."""
+        if isinstance(self.label, str):
+            return (self.label,) if self.label else ()
+        return tuple(self.label)
+
+    def kind_of(self, target: str) -> str:
+        return self.target_kind.get(target, "auto") if isinstance(self.target_kind, dict) else self.target_kind
 
 
 class QualitySection(_Section):
@@ -38,7 +64,8 @@ class QualitySection(_Section):
     on_bad_value: Literal["fail", "drop_row", "fill"] = Field(
         "fill", description="null/NaN/inf feature, null or out-of-range label: stop, drop the row, or fill "
                             "(features: fitted mean / unknown id; a bad label always drops its row)")
-    label_values: tuple[float, ...] = Field((0.0, 1.0), description="allowed label values")
+    label_values: tuple[float, ...] = Field((), description="allowed target values (empty: any value the target "
+                                                            "kind allows)")
 
 
 class GenerateSection(_Section):
@@ -51,6 +78,8 @@ class PreprocessSection(_Section):
     vocab_max_size: int = Field(1000, ge=1, description="most frequent values kept per categorical column")
     vocab_min_count: int = Field(1, ge=1, description="values seen fewer times map to the unknown id")
     missing_indicator: bool = Field(True, description="add a 0/1 column per numeric feature that had nulls")
+    standardize_target: bool = Field(False, description="regression targets: train on (y - mean) / std; "
+                                                        "FittedPreprocessor.inverse_target undoes it")
 
 
 class TrainSection(_Section):
@@ -124,19 +153,25 @@ class Config(_Section):
     @model_validator(mode="after")
     def _columns(self) -> "Config":
         d = self.data
-        if not d.label:
-            raise ValueError("data.label is empty; name the binary label column")
-        seen: dict[str, str] = {}
+        targets = d.targets
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"data.label lists a column twice ({list(targets)}); list each target once")
+        if isinstance(d.target_kind, dict):
+            stray = sorted(set(d.target_kind) - set(targets))
+            if stray:
+                raise ValueError(f"data.target_kind names {stray}, which are not targets (data.label = "
+                                 f"{list(targets)}); name only target columns")
+        roles = {t: "data.label" for t in targets}
+        if d.weight:
+            if d.weight in roles:
+                raise ValueError(f"column '{d.weight}' is data.weight and also a target; use another column")
+            roles[d.weight] = "data.weight"
         for kind in ("numeric", "categorical"):
             for col in getattr(d, kind):
-                if col == d.label:
-                    raise ValueError(f"column '{col}' is the label and also listed in data.{kind}; remove it from data.{kind}")
-                if col in seen:
-                    where = f"data.{seen[col]}" + ("" if seen[col] == kind else f" and data.{kind}")
-                    raise ValueError(f"column '{col}' is listed twice in {where}; list each column once")
-                seen[col] = kind
-        if not seen:
-            raise ValueError("data.numeric and data.categorical are both empty; list at least one feature column")
+                if col in roles:
+                    raise ValueError(f"column '{col}' is listed in {roles[col]} and in data.{kind}; list each column "
+                                     f"in one place (remove it from data.{kind})")
+                roles[col] = f"data.{kind}"
         return self
 
     @property

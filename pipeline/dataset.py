@@ -1,11 +1,11 @@
 """A rank's rows in one packed, row-major tensor, fetched a whole batch per call.
 
-Layout: row i of `rows` (float32, shape [n, F + C + 1]) holds the F standardised features, then the C
-category ids (int32 bit patterns in float32 slots), then the label. A shuffled batch is then ONE
-`index_select` reading one contiguous 4*(F+C+1)-byte run per row: random gathers are bound by memory
-latency, and three separate tensors cost three cache-miss streams per row instead of one (measured
-1.2-2.4x slower here). `x_num`, `x_cat` and `y` are views into the packed rows, on the dataset and on
-every batch; a batch crosses PCIe as one copy. Large tensors are allocated on transparent huge pages
+Layout: row i of `rows` (float32, shape [n, F + C + T + W]) holds the F standardised features, then
+the C category ids (int32 bit patterns in float32 slots), then the T targets, then the weight (W = 1
+when there is one). A shuffled batch is then ONE `index_select` reading one contiguous run per row:
+random gathers are bound by memory latency, and separate tensors cost one cache-miss stream each per
+row instead of one (measured 1.2-2.4x slower here). `x_num`, `x_cat`, `y` and `w` are views into the
+packed rows, on the dataset and on every batch; a batch crosses PCIe as one copy. Large tensors are allocated on transparent huge pages
 where the OS allows (fewer TLB misses on random rows).
 
 Row ids travel beside the rows, so every consumer can check that it saw each row exactly once.
@@ -25,21 +25,38 @@ _HUGE = 2 << 20
 
 
 class Batch(NamedTuple):
-    x_num: torch.Tensor  # [B, F] float32
+    """One training batch (torch). The numpy counterpart for serving is `pipeline.Transformed`."""
+
+    x_num: torch.Tensor  # [B, F] float32, standardised (vector features take several columns)
     x_cat: torch.Tensor  # [B, C] int32, 0 = unknown or null
-    y: torch.Tensor  # [B] float32
+    y: torch.Tensor  # float32: [B] for one target, [B, T] for several ([B, 0] for none); class ids as floats
+    w: torch.Tensor | None = None  # [B] float32 per-row weight, when data.weight is set
 
     def to(self, device, non_blocking: bool = False) -> "Batch":
-        return Batch(*(t.to(device, non_blocking=non_blocking) for t in self))
+        return Batch(*(None if t is None else t.to(device, non_blocking=non_blocking) for t in self))
 
     def contiguous(self) -> "Batch":
-        return Batch(*(t.contiguous() for t in self))
+        return Batch(*(None if t is None else t.contiguous() for t in self))
 
 
-def unpack(rows: torch.Tensor, num_features: int, num_categorical: int) -> Batch:
-    """Views of packed rows [B, F + C + 1] as (x_num, x_cat, y); no copy."""
-    f, c = num_features, num_categorical
-    return Batch(rows[:, :f], rows[:, f:f + c].view(torch.int32), rows[:, f + c])
+class Layout(NamedTuple):
+    """Slots of a packed row: features, category ids, targets, weight (0 or 1)."""
+
+    features: int
+    categorical: int
+    targets: int = 1
+    weight: int = 0
+
+    @property
+    def width(self) -> int:
+        return sum(self)
+
+
+def unpack(rows: torch.Tensor, layout: Layout) -> Batch:
+    """Views of packed rows [B, width] as a Batch; no copy."""
+    f, c, t, w = layout
+    y = rows[:, f + c] if t == 1 else rows[:, f + c:f + c + t]
+    return Batch(rows[:, :f], rows[:, f:f + c].view(torch.int32), y, rows[:, f + c + t] if w else None)
 
 
 def alloc_rows(n: int, width: int, *, pin: bool = False, spill_dir: str | None = None) -> torch.Tensor:
@@ -83,65 +100,72 @@ def alloc_rows(n: int, width: int, *, pin: bool = False, spill_dir: str | None =
 
 
 class TabularDataset:
-    """One rank's rows: packed features, category ids and label (see module doc), plus row ids."""
+    """One rank's rows: packed features, category ids, targets and weight (see module doc), plus row ids."""
 
-    def __init__(self, rows: torch.Tensor, num_features: int, num_categorical: int, row_id: torch.Tensor | None = None,
-                 *, spill_dir: str | None = None):
-        if rows.dim() != 2 or rows.dtype != torch.float32 or rows.shape[1] != num_features + num_categorical + 1:
-            raise ValueError(f"packed rows must be float32 [n, {num_features} + {num_categorical} + 1], "
+    def __init__(self, rows: torch.Tensor, layout: Layout | tuple, row_id: torch.Tensor | None = None, *,
+                 spill_dir: str | None = None):
+        self.layout = Layout(*layout)
+        if rows.dim() != 2 or rows.dtype != torch.float32 or rows.shape[1] != self.layout.width:
+            raise ValueError(f"packed rows must be float32 [n, {self.layout.width}] for {self.layout}, "
                              f"got {rows.dtype} {tuple(rows.shape)}")
         self.rows = rows.contiguous()
-        self.num_features, self.num_categorical = num_features, num_categorical
-        self.spill_dir = spill_dir  # where derived datasets (subsets, splits) put their rows; None: memory
+        self.spill_dir = spill_dir  # where derived datasets (subsets) put their rows; None: memory
         n = rows.shape[0]
         self.row_id = (row_id if row_id is not None else torch.arange(n, dtype=torch.int64)).contiguous()
         if self.row_id.shape != (n,):
             raise ValueError(f"row_id has shape {tuple(self.row_id.shape)}, expected ({n},)")
-        self.x_num, self.x_cat, self.y = unpack(self.rows, num_features, num_categorical)
+        self.x_num, self.x_cat, self.y, self.w = unpack(self.rows, self.layout)
+
+    @property
+    def num_features(self) -> int:
+        return self.layout.features
+
+    @property
+    def num_categorical(self) -> int:
+        return self.layout.categorical
 
     @classmethod
-    def from_numpy(cls, x_num: np.ndarray, x_cat: np.ndarray, y: np.ndarray, row_id: np.ndarray | None = None) -> "TabularDataset":
-        return cls.from_blocks([{"x_num": x_num, "x_cat": x_cat, "y": y,
-                                 **({} if row_id is None else {"row_id": row_id})}], sort=False)
+    def from_numpy(cls, x_num: np.ndarray, x_cat: np.ndarray, y: np.ndarray | None, row_id: np.ndarray | None = None,
+                   w: np.ndarray | None = None) -> "TabularDataset":
+        """Pack separate arrays (y: [n] one target, [n, T] several, None none; w: [n] or None)."""
+        x_num, x_cat = np.asarray(x_num), np.asarray(x_cat)
+        n = len(x_num)
+        y2 = np.zeros((n, 0), np.float32) if y is None else np.asarray(y, np.float32).reshape(n, -1)
+        layout = Layout(x_num.shape[1], x_cat.shape[1], y2.shape[1], 0 if w is None else 1)
+        rows = np.empty((n, layout.width), np.float32)
+        f, c, t = layout.features, layout.categorical, layout.targets
+        rows[:, :f] = x_num
+        rows[:, f:f + c].view(np.int32)[:] = x_cat  # ids < 2**31 by construction
+        rows[:, f + c:f + c + t] = y2
+        if w is not None:
+            rows[:, f + c + t] = w
+        ids = np.arange(n) if row_id is None else row_id
+        return cls.from_parts([(rows, np.asarray(ids, np.int64))], layout, sort=False)
 
     @classmethod
-    def from_blocks(cls, blocks: Iterable[dict[str, np.ndarray]], *, sort: bool = True,
-                    spill_dir: str | None = None) -> "TabularDataset":
-        """Pack transformed blocks (x_num, x_cat, y and optionally row_id) into one tensor. With sort,
-        rows are put in row-id order, so the result does not depend on the order blocks arrived in.
-        spill_dir: keep the rows in a memory-mapped file there (see alloc_rows), not in memory."""
-        blocks = [b for b in blocks if len(b["y"])]
-        if not blocks:
-            raise ValueError("no rows: this rank received an empty shard")
-        f, c = np.asarray(blocks[0]["x_num"]).shape[1], np.asarray(blocks[0]["x_cat"]).shape[1]
-        ids = np.concatenate([b["row_id"] for b in blocks]) if "row_id" in blocks[0] else None
-        ds = cls._pack(blocks, f, c, ids, spill_dir)
-        if ids is not None and sort and ids.size > 1 and not (ids[1:] > ids[:-1]).all():
+    def from_parts(cls, parts: list[tuple[np.ndarray, np.ndarray]], layout: Layout | tuple, *, sort: bool = True,
+                   spill_dir: str | None = None) -> "TabularDataset":
+        """Concatenate packed blocks [(rows [k, width], row ids [k]), ...] straight into one tensor (in
+        memory, or memory-mapped from a file in spill_dir: see alloc_rows). With sort, rows end up in
+        row-id order, so the result does not depend on the order blocks arrived in."""
+        layout = Layout(*layout)
+        n = sum(len(ids) for _, ids in parts)
+        rows = alloc_rows(n, layout.width, spill_dir=spill_dir)
+        packed = rows.numpy()
+        ids = np.empty(n, np.int64)
+        at = 0
+        for block, block_ids in parts:
+            k = len(block_ids)
+            packed[at:at + k] = block
+            ids[at:at + k] = block_ids
+            at += k
+        ds = cls(rows, layout, torch.from_numpy(ids), spill_dir=spill_dir)
+        if sort and n > 1 and not (ids[1:] > ids[:-1]).all():
             ds = ds.sorted_by_row_id()
         return ds
 
-    @classmethod
-    def _pack(cls, blocks, f: int, c: int, ids: np.ndarray | None, spill_dir: str | None) -> "TabularDataset":
-        n = sum(len(b["y"]) for b in blocks)
-        rows = alloc_rows(n, f + c + 1, spill_dir=spill_dir)
-        packed = rows.numpy()
-        at = 0
-        for b in blocks:
-            k = len(b["y"])
-            packed[at:at + k, :f] = b["x_num"]
-            packed[at:at + k, f:f + c].view(np.int32)[:] = b["x_cat"]  # ids < 2**31 by construction
-            packed[at:at + k, f + c] = b["y"]
-            at += k
-        return cls(rows, f, c, None if ids is None else torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)),
-                   spill_dir=spill_dir)
-
     def sorted_by_row_id(self) -> "TabularDataset":
         return self.subset(torch.argsort(self.row_id, stable=True))
-
-    @classmethod
-    def from_ray(cls, iterator) -> "TabularDataset":
-        """Materialise a Ray Train dataset shard (a DataIterator) once; epochs then never touch Ray."""
-        return cls.from_blocks(iterator.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2))
 
     def __len__(self) -> int:
         return self.rows.shape[0]
@@ -169,19 +193,19 @@ class TabularDataset:
         return torch.index_select(self.rows, 0, idx, out=out[: idx.numel()])
 
     def unpack(self, rows: torch.Tensor) -> Batch:
-        return unpack(rows, self.num_features, self.num_categorical)
+        return unpack(rows, self.layout)
 
     def get_batch(self, idx: torch.Tensor, out: torch.Tensor | None = None) -> Batch:
         """Rows `idx` as one Batch of views into a single gathered tensor."""
-        return unpack(self.gather(idx, out), self.num_features, self.num_categorical)
+        return unpack(self.gather(idx, out), self.layout)
 
     def __getitems__(self, indices) -> Batch:
         """Batched fetch used by torch's DataLoader when given a batch sampler: one gather per batch."""
         return self.get_batch(torch.as_tensor(indices, dtype=torch.int64))
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
         """One row (the slow textbook path; kept for comparison and for per-row tooling)."""
-        return self.x_num[i], self.x_cat[i], self.y[i]
+        return tuple(t[i] for t in (self.x_num, self.x_cat, self.y, self.w) if t is not None)
 
     def subset(self, idx: torch.Tensor) -> "TabularDataset":
         if idx.dtype == torch.bool:
@@ -192,25 +216,8 @@ class TabularDataset:
                                                                         spill_dir=self.spill_dir))
         else:
             rows = self.rows.index_select(0, idx)
-        return TabularDataset(rows, self.num_features, self.num_categorical, self.row_id[idx.to(self.row_id.device)],
-                              spill_dir=self.spill_dir)
+        return TabularDataset(rows, self.layout, self.row_id[idx.to(self.row_id.device)], spill_dir=self.spill_dir)
 
     def to(self, device, non_blocking: bool = False) -> "TabularDataset":
-        return TabularDataset(self.rows.to(device, non_blocking=non_blocking), self.num_features, self.num_categorical,
+        return TabularDataset(self.rows.to(device, non_blocking=non_blocking), self.layout,
                               self.row_id.to(device, non_blocking=non_blocking))
-
-    def split_holdout(self, fraction: float, seed: int) -> tuple["TabularDataset", "TabularDataset"]:
-        """(train, validation): a row is held out by a hash of its global row id, so the split is the
-        same whatever the number of ranks and however the rows were sharded."""
-        mask = torch.from_numpy(holdout_mask(self.row_id.cpu().numpy(), fraction, seed))
-        return self.subset(~mask), self.subset(mask)
-
-
-def holdout_mask(row_id: np.ndarray, fraction: float, seed: int) -> np.ndarray:
-    """True for rows in the validation set: splitmix64(row_id, seed) mapped to [0, 1) < fraction."""
-    with np.errstate(over="ignore"):
-        z = row_id.astype(np.uint64) + np.uint64((0x9E3779B97F4A7C15 * (seed + 1)) % 2**64)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) / float(2**53) < fraction

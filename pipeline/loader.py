@@ -141,13 +141,16 @@ class DeviceLoader(_Position):
 
     def _views(self, rows: torch.Tensor, idx: torch.Tensor) -> Iterator[Batch]:
         """The batches of a gathered chunk as views (built by four splits, not per-batch slicing)."""
-        f, c, b = self.dataset.num_features, self.dataset.num_categorical, self.sampler.batch_size
+        f, c, t, w = self.dataset.layout
+        b = self.sampler.batch_size
         self._index = idx
-        parts = zip(rows[:, :f].split(b), rows[:, f:f + c].view(torch.int32).split(b), rows[:, f + c].split(b))
-        for k, (x_num, x_cat, y) in enumerate(parts):
+        y = rows[:, f + c] if t == 1 else rows[:, f + c:f + c + t]
+        parts = zip(rows[:, :f].split(b), rows[:, f:f + c].view(torch.int32).split(b), y.split(b),
+                    rows[:, f + c + t].split(b) if w else itertools.repeat(None))
+        for k, (x_num, x_cat, y_k, w_k) in enumerate(parts):
             self._index_at = k * b
             self._delivered += 1
-            yield Batch(x_num, x_cat, y)
+            yield Batch(x_num, x_cat, y_k, w_k)
 
     # -- CPU target ---------------------------------------------------------------------------
 

@@ -1,16 +1,16 @@
-"""Distributed fit in one pass, vectorised transform, and the fitted state saved for serving.
+"""Partial statistics, their merge, and the fitted state: transform, save/load. No Ray, no torch.
 
-Fit: every fragment yields partial statistics (count, mean and M2 in float64, min, max, nulls,
-category counts, label counts); the driver merges them with the parallel-variance formula (Chan et
-al.), so the result does not depend on how rows were split into fragments.
+Fit: every fragment yields partial statistics (count, mean and M2 in float64, min, max, nulls per
+numeric feature slot; category counts; class counts or moments per target); they are merged in
+fragment order with the parallel-variance formula (Chan et al.), so the result is the same whether
+Ray tasks or one process computed the partials.
 
-Transform: pyarrow/numpy only, no per-row Python. The same `FittedPreprocessor.transform` runs in
-the Ray tasks that feed training and at serving time without Ray, so both give identical arrays.
+Transform: pyarrow/numpy only, no per-row Python. The same `FittedPreprocessor.transform` feeds
+training (inside Ray tasks or a torchrun process) and serving, so both give identical arrays.
 """
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,9 +19,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import storage
+from .columns import Columns, as_float64, as_matrix, as_string
+from .errors import DataError
 
 FORMAT = "pipeline.FittedPreprocessor"
-VERSION = 1
+VERSION = 2
+MAX_CLASSES = 2**24  # class ids travel as float32 in the packed rows: exact below 2**24
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,58 +66,66 @@ class NumericStats:
         return self.m2 / self.count if self.count else 0.0
 
 
+def _add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    out = dict(a)
+    for v, c in b.items():
+        out[v] = out.get(v, 0) + c
+    return out
+
+
+def _value_counts(arr: pa.Array) -> dict[str, int]:
+    vc = pc.value_counts(arr)
+    return {v: n for v, n in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()) if v is not None}
+
+
 @dataclass
 class PartialStats:
     rows: int = 0
-    numeric: dict[str, NumericStats] = field(default_factory=dict)
+    numeric: dict[str, list[NumericStats]] = field(default_factory=dict)  # one per feature slot of the column
+    null_rows: dict[str, int] = field(default_factory=dict)  # numeric column -> rows with any missing slot
     categories: dict[str, dict[str, int]] = field(default_factory=dict)
     category_nulls: dict[str, int] = field(default_factory=dict)
-    label_counts: dict[str, int] = field(default_factory=dict)
+    target_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # counted targets: value -> rows
+    target_moments: dict[str, NumericStats] = field(default_factory=dict)  # regression targets
 
     def merge(self, o: "PartialStats") -> "PartialStats":
         out = PartialStats(rows=self.rows + o.rows)
         for k in self.numeric.keys() | o.numeric.keys():
-            out.numeric[k] = self.numeric.get(k, NumericStats()).merge(o.numeric.get(k, NumericStats()))
+            a, b = self.numeric.get(k), o.numeric.get(k)
+            out.numeric[k] = b if a is None else a if b is None else [x.merge(y) for x, y in zip(a, b)]
+            out.null_rows[k] = self.null_rows.get(k, 0) + o.null_rows.get(k, 0)
         for k in self.categories.keys() | o.categories.keys():
-            merged = dict(self.categories.get(k, {}))
-            for v, c in o.categories.get(k, {}).items():
-                merged[v] = merged.get(v, 0) + c
-            out.categories[k] = merged
+            out.categories[k] = _add_counts(self.categories.get(k, {}), o.categories.get(k, {}))
             out.category_nulls[k] = self.category_nulls.get(k, 0) + o.category_nulls.get(k, 0)
-        for v in self.label_counts.keys() | o.label_counts.keys():
-            out.label_counts[v] = self.label_counts.get(v, 0) + o.label_counts.get(v, 0)
+        for k in self.target_counts.keys() | o.target_counts.keys():
+            out.target_counts[k] = _add_counts(self.target_counts.get(k, {}), o.target_counts.get(k, {}))
+        for k in self.target_moments.keys() | o.target_moments.keys():
+            out.target_moments[k] = self.target_moments.get(k, NumericStats()).merge(o.target_moments.get(k, NumericStats()))
         return out
 
 
-def _as_float64(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """Numeric column -> float64 numpy with NaN for nulls (ints and decimals widen losslessly enough)."""
-    arr = pc.cast(col, pa.float64())
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
-    return arr.to_numpy(zero_copy_only=False)  # nulls -> NaN
+def feature_values(table: pa.Table, name: str, dim: int) -> np.ndarray:
+    """A numeric feature column as float64 [n, max(dim, 1)], NaN where missing (or a list of another length)."""
+    if dim:
+        return as_matrix(table[name], dim)[0]
+    return as_float64(table[name])[:, None]
 
 
-def _as_string(col: pa.ChunkedArray | pa.Array) -> pa.Array:
-    if isinstance(col, pa.ChunkedArray):
-        col = col.combine_chunks()
-    if pa.types.is_dictionary(col.type):
-        col = col.dictionary_decode()
-    return col if pa.types.is_string(col.type) else pc.cast(col, pa.string())
-
-
-def partial_stats(table: pa.Table, numeric: list[str], categorical: list[str], label: str | None) -> PartialStats:
+def partial_stats(table: pa.Table, cols: Columns) -> PartialStats:
     s = PartialStats(rows=table.num_rows)
-    for c in numeric:
-        s.numeric[c] = NumericStats.of(_as_float64(table[c]))
-    for c in categorical:
-        col = _as_string(table[c])
-        vc = pc.value_counts(col)
-        s.categories[c] = {v: n for v, n in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist())
-                           if v is not None}
+    for c, d in zip(cols.numeric, cols.dims):
+        v = feature_values(table, c, d)
+        s.numeric[c] = [NumericStats.of(v[:, j]) for j in range(v.shape[1])]
+        s.null_rows[c] = int((~np.isfinite(v)).any(axis=1).sum())
+    for c in cols.categorical:
+        col = as_string(table[c])
+        s.categories[c] = _value_counts(col)
         s.category_nulls[c] = col.null_count
-    if label is not None:
-        vc = pc.value_counts(_as_string(table[label]))
-        s.label_counts = {str(v): n for v, n in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist())}
+    for t in cols.targets:
+        if t.counted:
+            s.target_counts[t.name] = _value_counts(as_string(table[t.name]))
+        else:
+            s.target_moments[t.name] = NumericStats.of(as_float64(table[t.name]))
     return s
 
 
@@ -123,91 +134,257 @@ def partial_stats(table: pa.Table, numeric: list[str], categorical: list[str], l
 
 
 @dataclass(frozen=True)
-class Batch:
-    """Transformed arrays: float32 features, int32 category ids (0 = unknown or null), float32 label."""
+class FittedTarget:
+    """How one target column becomes a float32 slot of the packed rows.
+
+    binary: 0/1 (bool or the numbers 0 and 1). multiclass: the class id, the value's position in
+    `classes` (a float32 holding an integer: `batch.y.long()` for cross-entropy). regression: the
+    value, or (value - mean) / std when it was standardised (`inverse_target` undoes it)."""
+
+    name: str
+    kind: str
+    classes: tuple[str, ...] = ()  # multiclass: the values, as text, in id order
+    mean: float = 0.0  # regression: subtracted (0 when not standardised)
+    std: float = 1.0  # regression: divided by (1 when not standardised)
+    counts: tuple[int, ...] = ()  # binary/multiclass: training rows per class id (for baselines)
+
+    @property
+    def num_classes(self) -> int:
+        return 2 if self.kind == "binary" else len(self.classes) if self.kind == "multiclass" else 0
+
+
+@dataclass(frozen=True)
+class Transformed:
+    """`FittedPreprocessor.transform`'s numpy result (serving): x_num float32 [n, F]; x_cat int32 [n, C]
+    (0 = unknown or null); y float32 [n] for one target, [n, T] for several, None when the table has
+    no target columns; w float32 [n] or None. Training batches carry the same values as torch tensors
+    (`pipeline.Batch`)."""
 
     x_num: np.ndarray
     x_cat: np.ndarray
     y: np.ndarray | None
+    w: np.ndarray | None = None
+
+
+def _resolve_kind(t, counts: dict[str, int] | None) -> str:
+    if t.kind != "auto":
+        return t.kind
+    if t.family == "float":
+        return "regression"
+    if t.family == "bool" or set(counts or {}) <= {"0", "1"}:
+        return "binary"
+    return "multiclass"
+
+
+def _class_order(values, family: str) -> list[str]:
+    if family == "int":
+        return sorted(values, key=int)
+    if family == "float":
+        return sorted(values, key=float)
+    return sorted(values)
 
 
 @dataclass(frozen=True)
 class FittedPreprocessor:
     numeric: tuple[str, ...]
-    mean: tuple[float, ...]
+    dims: tuple[int, ...]  # per numeric column: 0 scalar, d a list of d numbers (d feature slots)
+    mean: tuple[float, ...]  # per feature slot
     std: tuple[float, ...]
     indicators: tuple[str, ...]  # numeric columns that get a 0/1 missing-indicator feature
     categorical: tuple[str, ...]
     vocab: tuple[tuple[str, ...], ...]  # per categorical column; value at position i has id i + 1
-    label: str
-    stats: dict[str, Any]  # what was seen at fit time (rows, min/max, nulls, label counts): for humans
+    targets: tuple[FittedTarget, ...]
+    weight: str | None
+    stats: dict[str, Any]  # what was seen at fit time (rows, min/max, nulls, target counts): for humans
 
     @property
     def num_features(self) -> int:
-        return len(self.numeric) + len(self.indicators)
+        return len(self.mean) + len(self.indicators)
 
     @property
     def cardinalities(self) -> tuple[int, ...]:
         """Embedding table sizes, the unknown id 0 included."""
         return tuple(len(v) + 1 for v in self.vocab)
 
+    @property
+    def target_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.targets)
+
+    def target(self, name: str | None = None) -> FittedTarget:
+        if name is None:
+            if len(self.targets) != 1:
+                raise ValueError(f"this preprocessor has {len(self.targets)} targets {list(self.target_names)}; name one")
+            return self.targets[0]
+        for t in self.targets:
+            if t.name == name:
+                return t
+        raise ValueError(f"no target '{name}'; targets are {list(self.target_names)}")
+
+    @property
+    def width(self) -> int:
+        """Float32 slots per packed row: features, category ids, targets, weight."""
+        return self.num_features + len(self.categorical) + len(self.targets) + (1 if self.weight else 0)
+
     @classmethod
-    def from_stats(cls, s: PartialStats, numeric, categorical, label: str, *, max_size: int, min_count: int,
-                   missing_indicator: bool) -> "FittedPreprocessor":
-        nstats = [s.numeric[c] for c in numeric]
-        # A constant (or all-null) column gets std 1, so it maps to 0 instead of dividing by zero.
-        std = tuple(float(np.sqrt(n.var)) if n.var > 0 else 1.0 for n in nstats)
+    def from_stats(cls, s: PartialStats, cols: Columns, *, max_size: int, min_count: int, missing_indicator: bool,
+                   standardize_target: bool = False) -> "FittedPreprocessor":
+        means, stds = [], []
+        for c in cols.numeric:
+            for n in s.numeric[c]:
+                means.append(float(n.mean))
+                # A constant (or all-null) slot gets std 1, so it maps to 0 instead of dividing by zero.
+                stds.append(float(np.sqrt(n.var)) if n.var > 0 else 1.0)
         vocab = []
-        for c in categorical:
+        for c in cols.categorical:
             kept = [(v, n) for v, n in s.categories[c].items() if n >= min_count]
             kept.sort(key=lambda vn: (-vn[1], vn[0]))  # most frequent first; ties by value, so it is deterministic
             vocab.append(tuple(v for v, _ in kept[:max_size]))
+        targets = []
+        for t in cols.targets:
+            counts = s.target_counts.get(t.name)
+            kind = _resolve_kind(t, counts)
+            if kind == "regression":
+                m = s.target_moments[t.name]
+                mean, std = (m.mean, float(np.sqrt(m.var)) or 1.0) if standardize_target else (0.0, 1.0)
+                targets.append(FittedTarget(t.name, kind, mean=float(mean), std=float(std)))
+                continue
+            classes = ("0", "1") if kind == "binary" else tuple(_class_order(counts, t.family))
+            if t.family == "bool" and kind == "binary":
+                classes = ("false", "true")
+            if len(classes) > MAX_CLASSES:
+                raise DataError(f"target '{t.name}' has {len(classes):,} distinct values, more than the {MAX_CLASSES:,} "
+                                f"classes supported; set data.target_kind = \"regression\" if it is a quantity")
+            targets.append(FittedTarget(t.name, kind, classes=classes,
+                                        counts=tuple(counts.get(v, 0) for v in classes)))
         stats = {
             "rows": s.rows,
-            "numeric": {c: {"count": n.count, "nulls": n.nulls, "min": n.min if n.count else None,
-                            "max": n.max if n.count else None} for c, n in zip(numeric, nstats)},
-            "categorical": {c: {"distinct": len(s.categories[c]), "nulls": s.category_nulls[c]} for c in categorical},
-            "label_counts": dict(sorted(s.label_counts.items())),
+            "numeric": {c: {"count": sum(n.count for n in s.numeric[c]), "null_rows": s.null_rows.get(c, 0),
+                            "min": min((n.min for n in s.numeric[c] if n.count), default=None),
+                            "max": max((n.max for n in s.numeric[c] if n.count), default=None)} for c in cols.numeric},
+            "categorical": {c: {"distinct": len(s.categories[c]), "nulls": s.category_nulls[c]} for c in cols.categorical},
+            "targets": {t.name: dict(sorted(s.target_counts[t.name].items())) if t.name in s.target_counts else
+                        {"mean": s.target_moments[t.name].mean, "std": float(np.sqrt(s.target_moments[t.name].var)),
+                         "min": s.target_moments[t.name].min, "max": s.target_moments[t.name].max}
+                        for t in cols.targets},
         }
         return cls(
-            numeric=tuple(numeric), mean=tuple(float(n.mean) for n in nstats), std=std,
-            indicators=tuple(c for c, n in zip(numeric, nstats) if missing_indicator and n.nulls > 0),
-            categorical=tuple(categorical), vocab=tuple(vocab), label=label, stats=stats,
+            numeric=tuple(cols.numeric), dims=tuple(cols.dims), mean=tuple(means), std=tuple(stds),
+            indicators=tuple(c for c in cols.numeric if missing_indicator and s.null_rows.get(c, 0) > 0),
+            categorical=tuple(cols.categorical), vocab=tuple(vocab), targets=tuple(targets), weight=cols.weight,
+            stats=stats,
         )
 
-    def transform(self, data: Any, *, with_label: bool | None = None) -> Batch:
-        """Transform a pyarrow Table / RecordBatch or a pandas DataFrame; no Ray needed.
+    # -- transform ------------------------------------------------------------------------------
 
-        with_label: None takes the label when the column is present (serving data usually lacks it).
-        """
+    def transform(self, data: Any, *, with_target: bool | None = None) -> Transformed:
+        """Transform a pyarrow Table / RecordBatch, a pandas DataFrame or a dict of columns; no Ray needed.
+
+        with_target: None takes the targets (and weight) when their columns are present (serving data
+        usually lacks them). A target value the fit never saw (an unseen class, a null, a binary target
+        that is not 0/1) is an error naming the column and the value, never a silent 'unknown'."""
         table = _to_table(data)
+        x, x_cat = self.features(table)
+        names = self.target_names
+        want = bool(names) and (with_target or (with_target is None and all(n in table.column_names for n in names)))
+        y = w = None
+        if want:
+            y2 = self.target_matrix(table, strict=True)
+            y = y2[:, 0] if len(names) == 1 else y2
+            if self.weight and self.weight in table.column_names:
+                w = as_float64(table[self.weight]).astype(np.float32)
+        return Transformed(x, x_cat, y, w)
+
+    def pack(self, table: pa.Table) -> np.ndarray:
+        """float32 [n, width]: the training layout, one row per input row: standardised features, then
+        category ids (int32 bit patterns in float32 slots), then targets, then the weight. A shuffled
+        batch of such rows is one gather (see dataset.py)."""
+        f, c, t = self.num_features, len(self.categorical), len(self.targets)
+        rows = np.empty((table.num_rows, self.width), dtype=np.float32)
+        self.features(table, rows[:, :f], rows[:, f:f + c].view(np.int32))
+        if t:
+            rows[:, f + c:f + c + t] = self.target_matrix(table)
+        if self.weight:
+            rows[:, f + c + t] = as_float64(table[self.weight])
+        return rows
+
+    def features(self, table: pa.Table, x: np.ndarray | None = None,
+                 x_cat: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(x_num float32 [n, F], x_cat int32 [n, C]), written into x / x_cat when given (views are fine)."""
         n = table.num_rows
-        x = np.empty((n, self.num_features), dtype=np.float32)
-        for j, (c, mean, std) in enumerate(zip(self.numeric, self.mean, self.std)):
-            v = _as_float64(table[c])
-            z = (v - mean) / std
+        x = np.empty((n, self.num_features), dtype=np.float32) if x is None else x
+        at = 0
+        for c, d in zip(self.numeric, self.dims):
+            v = feature_values(table, c, d)
+            k = v.shape[1]
+            z = (v - np.asarray(self.mean[at:at + k])) / np.asarray(self.std[at:at + k])
             z[~np.isfinite(z)] = 0.0  # null/NaN/inf is filled with the fitted mean, which standardises to 0
-            x[:, j] = z
-        for k, c in enumerate(self.indicators):
-            x[:, len(self.numeric) + k] = ~np.isfinite(_as_float64(table[c]))
-        x_cat = np.empty((n, len(self.categorical)), dtype=np.int32)
+            x[:, at:at + k] = z
+            at += k
+        for c in self.indicators:
+            x[:, at] = (~np.isfinite(feature_values(table, c, self.dims[self.numeric.index(c)]))).any(axis=1)
+            at += 1
+        x_cat = np.empty((n, len(self.categorical)), dtype=np.int32) if x_cat is None else x_cat
         for j, (c, vocab) in enumerate(zip(self.categorical, self.vocab)):
-            idx = pc.index_in(_as_string(table[c]), value_set=pa.array(vocab, type=pa.string()))
+            idx = pc.index_in(as_string(table[c]), value_set=pa.array(vocab, type=pa.string()))
             x_cat[:, j] = pc.fill_null(idx, -1).to_numpy(zero_copy_only=False) + 1
-        y = None
-        if with_label or (with_label is None and self.label in table.column_names):
-            y = _as_float64(table[self.label]).astype(np.float32)
-        return Batch(x, x_cat, y)
+        return x, x_cat
+
+    def target_matrix(self, table: pa.Table, *, strict: bool = False) -> np.ndarray:
+        """float32 [n, T]: each target as it travels in the packed rows. NaN marks a value this fit
+        cannot represent; strict raises instead (serving), naming the column and the value."""
+        y = np.empty((table.num_rows, len(self.targets)), dtype=np.float32)
+        for j, t in enumerate(self.targets):
+            y[:, j] = self._target_values(t, table[t.name])
+            if strict:
+                bad = np.isnan(y[:, j])
+                if bad.any():
+                    i = int(np.argmax(bad))
+                    allowed = (f"one of the {len(t.classes)} classes seen at fit time" if t.kind == "multiclass" else
+                               "0 or 1 (or a bool)" if t.kind == "binary" else "a finite number")
+                    raise DataError(f"target '{t.name}' has {table[t.name][i].as_py()!r} at row {i}; expected {allowed}. "
+                                    f"Drop such rows before transform, or call transform(..., with_target=False) to "
+                                    f"transform the features alone")
+        return y
+
+    @staticmethod
+    def _target_values(t: FittedTarget, col) -> np.ndarray:
+        if t.kind == "regression":
+            v = (as_float64(col) - t.mean) / t.std
+            return np.where(np.isfinite(v), v, np.nan)
+        if t.kind == "binary" and t.classes == ("0", "1"):
+            v = as_float64(col)
+            return np.where((v == 0.0) | (v == 1.0), v, np.nan)
+        idx = pc.index_in(as_string(col), value_set=pa.array(t.classes, type=pa.string()))
+        return pc.fill_null(pc.cast(idx, pa.float64()), np.nan).to_numpy(zero_copy_only=False)
+
+    def inverse_target(self, values: Any, name: str | None = None) -> np.ndarray:
+        """Model outputs back in the data's terms: regression values in the target's own units (undoes
+        standardisation); class ids (binary/multiclass) as the class values, as text."""
+        t = self.target(name)
+        v = np.asarray(values)
+        if t.kind == "regression":
+            return v.astype(np.float64) * t.std + t.mean
+        return np.asarray(t.classes, dtype=object)[v.astype(np.int64)]
 
     # -- persistence --------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
+        numeric, at = [], 0
+        for c, d in zip(self.numeric, self.dims):
+            k = max(d, 1)
+            entry = {"name": c, "missing_indicator": c in self.indicators}
+            if d:
+                entry.update(dim=d, mean=list(self.mean[at:at + k]), std=list(self.std[at:at + k]))
+            else:
+                entry.update(mean=self.mean[at], std=self.std[at])
+            numeric.append(entry)
+            at += k
         return {
-            "format": FORMAT, "version": VERSION, "label": self.label,
-            "numeric": [{"name": c, "mean": m, "std": s, "missing_indicator": c in self.indicators}
-                        for c, m, s in zip(self.numeric, self.mean, self.std)],
+            "format": FORMAT, "version": VERSION, "numeric": numeric,
             "categorical": [{"name": c, "vocab": list(v), "unknown_id": 0} for c, v in zip(self.categorical, self.vocab)],
-            "stats": self.stats,
+            "targets": [{"name": t.name, "kind": t.kind, "classes": list(t.classes), "mean": t.mean, "std": t.std,
+                         "counts": list(t.counts)} for t in self.targets],
+            "weight": self.weight, "stats": self.stats,
         }
 
     @classmethod
@@ -218,12 +395,19 @@ class FittedPreprocessor:
             raise ValueError(f"fitted preprocessor version {d['version']} is newer than this code reads "
                              f"({VERSION}); upgrade the pipeline package")
         num = d["numeric"]
+        flat = lambda key: tuple(float(x) for e in num for x in (e[key] if isinstance(e[key], list) else [e[key]]))  # noqa: E731
+        if d["version"] == 1:  # one binary label
+            targets = (FittedTarget(d["label"], "binary", classes=("0", "1")),)
+        else:
+            targets = tuple(FittedTarget(t["name"], t["kind"], tuple(t["classes"]), float(t["mean"]), float(t["std"]),
+                                         tuple(t.get("counts", ()))) for t in d["targets"])
         return cls(
-            numeric=tuple(e["name"] for e in num), mean=tuple(float(e["mean"]) for e in num),
-            std=tuple(float(e["std"]) for e in num),
+            numeric=tuple(e["name"] for e in num), dims=tuple(int(e.get("dim", 0)) for e in num),
+            mean=flat("mean"), std=flat("std"),
             indicators=tuple(e["name"] for e in num if e["missing_indicator"]),
             categorical=tuple(e["name"] for e in d["categorical"]),
-            vocab=tuple(tuple(e["vocab"]) for e in d["categorical"]), label=d["label"], stats=d.get("stats", {}),
+            vocab=tuple(tuple(e["vocab"]) for e in d["categorical"]), targets=targets, weight=d.get("weight"),
+            stats=d.get("stats", {}),
         )
 
     def save(self, uri: str) -> None:
@@ -246,193 +430,3 @@ def _to_table(data: Any) -> pa.Table:
         return pa.table(data)
     raise TypeError(f"transform takes a pyarrow Table/RecordBatch, a pandas DataFrame or a dict of columns, "
                     f"got {type(data).__name__}")
-
-
-# ---------------------------------------------------------------------------------------------
-# The Ray side: one pass to fit, one lazy dataset to transform
-
-
-def fragments_dataset(source):
-    """A Ray Dataset with one row (one read task) per fragment, in global row order."""
-    import ray
-
-    items = [{"fragment": pickle.dumps(f)} for f in source.fragments]
-    ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))
-    # Records in fragment order: the float64 merge of partial statistics is then the same every run.
-    ds.context.execution_options.preserve_order = True
-    return ds
-
-
-def _fragments(batch: pa.Table):
-    for blob in batch.column("fragment").to_pylist():
-        yield pickle.loads(blob)
-
-
-def _read(uri: str, frag, columns: list[str], cfg) -> pa.Table | dict:
-    """The fragment's table, or (quality.on_bad_file = quarantine) a manifest entry saying why not."""
-    from .errors import DataError
-    from .source import read_fragment
-
-    try:
-        return read_fragment(uri, frag, columns)
-    except (OSError, pa.ArrowException) as e:
-        rows = f"rows {frag.file_row_start}-{frag.file_row_start + frag.num_rows - 1}"
-        if cfg.quality.on_bad_file == "fail":
-            raise DataError(f"cannot decode row group {frag.row_group} ({rows}) of '{frag.path}': {e}. The file is "
-                            f"damaged behind a readable footer: rewrite it, or set quality.on_bad_file = "
-                            f"\"quarantine\" to set damaged row groups aside") from None
-        return {"file": frag.path, "row_group": frag.row_group, "row_start": frag.file_row_start,
-                "rows": frag.num_rows, "reason": f"cannot decode row group ({type(e).__name__}: {e})"}
-
-
-def fit(source, cfg):
-    """One distributed pass over the data: partial statistics merged on the driver, plus the row
-    accounting. Returns (FittedPreprocessor, Accounting)."""
-    from .errors import DataError
-    from .quality import Accounting, screen
-
-    numeric, categorical, label = list(cfg.data.numeric), list(cfg.data.categorical), cfg.data.label
-    columns = [*numeric, *categorical, label]
-    uri = source.uri
-
-    def fit_fragments(batch: pa.Table) -> dict[str, np.ndarray]:
-        out = []
-        for f in _fragments(batch):
-            try:
-                table = _read(uri, f, columns, cfg)
-                if isinstance(table, dict):
-                    out.append(pickle.dumps((f.row_start, f.num_rows, None, {}, table)))
-                    continue
-                kept, dropped = screen(table, f, cfg)
-                out.append(pickle.dumps((f.row_start, f.num_rows, partial_stats(kept, numeric, categorical, label),
-                                         dropped, None)))
-            except DataError as e:
-                # Returned, not raised: Ray would wrap it in layers of task errors and print a traceback.
-                out.append(pickle.dumps((f.row_start, str(e))))
-        return {"partial": np.array(out, dtype=object)}
-
-    rows = fragments_dataset(source).map_batches(fit_fragments, batch_format="pyarrow", batch_size=1).take_all()
-    total = PartialStats()
-    acct = Accounting()
-    acct.add_bad_files(source.bad_files)
-    records = [pickle.loads(r["partial"]) for r in rows]
-    errors = sorted(r for r in records if len(r) == 2)
-    if errors:
-        raise DataError(errors[0][1])
-    for row_start, n, part, dropped, quarantine in records:
-        acct.merge_fragment(row_start, n, part.rows if part else 0, dropped, quarantine)
-        if part is not None:
-            total = total.merge(part)
-    acct.quarantined.sort(key=lambda e: (e["file"], e["row_group"] if e["row_group"] is not None else -1))
-    if total.rows == 0:
-        raise DataError(f"no usable rows under '{source.uri}': {acct.summary()}; fix the data or the quality policy")
-    p = cfg.preprocess
-    fitted = FittedPreprocessor.from_stats(total, numeric, categorical, label, max_size=p.vocab_max_size,
-                                           min_count=p.vocab_min_count, missing_indicator=p.missing_indicator)
-    return fitted, acct
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Rows [lo, hi) of what a fragment yields after the quality screen (its kept rows, in order)."""
-
-    fragment: Any  # source.Fragment
-    lo: int
-    hi: int
-
-
-def rank_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
-    """Rank r's contiguous share [lo, hi) of n rows: sizes differ by at most one, none is skipped."""
-    return n * rank // world, n * (rank + 1) // world
-
-
-def plan_shares(source, accounting, world: int, whole: bool = False) -> list[list[Piece]]:
-    """Which rows each rank owns, as pieces of fragments: rank r gets positions [r*N/W, (r+1)*N/W) of
-    the N rows the fit pass counted as usable, in global row order (whole=True: every rank gets all N).
-    A pure function of the data and W, so the assignment is reproducible; a fragment that straddles
-    two ranks is read by both, each keeping its own slice."""
-    used = [(f, accounting.used_by_fragment.get(f.row_start, 0)) for f in source.fragments]
-    used = [(f, u) for f, u in used if u > 0]
-    n = sum(u for _, u in used)
-    bounds = [(0, n)] * world if whole else [rank_bounds(n, world, r) for r in range(world)]
-    shares: list[list[Piece]] = []
-    for lo, hi in bounds:
-        pieces, at = [], 0
-        for f, u in used:
-            a, b = max(lo, at), min(hi, at + u)
-            if a < b:
-                pieces.append(Piece(f, a - at, b - at))
-            at += u
-        shares.append(pieces)
-    return shares
-
-
-def transform_pieces(source, fitted: FittedPreprocessor, cfg, pieces: list[Piece], node_id: str | None = None,
-                     node_cpus: int = 1):
-    """Lazy Ray Dataset of the transformed rows of `pieces`, in order: row_id, x_num [F] float32, x_cat [C]
-    int32, y float32, and `local` (True where the row was transformed on node_id).
-
-    With node_id, the read-and-transform tasks prefer that node, up to `node_cpus` at a time (the CPUs
-    it has beside its training workers), so their output lands in the object store of the node that
-    trains on it and the rank reads its rows without crossing the network. A task the node cannot
-    take at once (busy, or gone) runs elsewhere rather than waiting."""
-    import ray
-
-    from .errors import DataError
-    from .quality import screen
-
-    columns = [*fitted.numeric, *fitted.categorical, fitted.label]
-    uri = source.uri
-    f_, c_ = fitted.num_features, len(fitted.categorical)
-
-    def read_transform(batch: pa.Table) -> dict[str, np.ndarray]:
-        outs, ids = [], []
-        for blob in batch.column("piece").to_pylist():
-            p = pickle.loads(blob)
-            f = p.fragment
-            table = _read(uri, f, columns, cfg)
-            if isinstance(table, dict):  # readable during fit, not now: the data changed under the run
-                raise DataError(f"'{f.path}' row group {f.row_group} could be read during fit but not now "
-                                f"({table['reason']}); do not modify data.path while a run is in progress")
-            table = table.append_column("__row_id", pa.array(np.arange(f.row_start, f.row_start + f.num_rows)))
-            kept, _ = screen(table, f, cfg)
-            if kept.num_rows < p.hi:
-                raise DataError(f"'{f.path}' row group {f.row_group} yields {kept.num_rows:,} usable rows now but "
-                                f"{p.hi:,} or more during fit; do not modify data.path while a run is in progress")
-            kept = kept.slice(p.lo, p.hi - p.lo)
-            outs.append(fitted.transform(kept, with_label=True))
-            ids.append(kept["__row_id"].to_numpy())
-        here = node_id is not None and ray.get_runtime_context().get_node_id() == node_id
-        if not ids:
-            return {"row_id": np.empty(0, np.int64), "x_num": np.empty((0, f_), np.float32),
-                    "x_cat": np.empty((0, c_), np.int32), "y": np.empty(0, np.float32), "local": np.empty(0, bool)}
-        row_id = np.concatenate(ids)
-        return {"row_id": row_id,
-                "x_num": np.concatenate([o.x_num for o in outs]),
-                "x_cat": np.concatenate([o.x_cat for o in outs]),
-                "y": np.concatenate([o.y for o in outs]),
-                "local": np.full(len(row_id), here)}
-
-    items = [{"piece": pickle.dumps(p)} for p in pieces]
-    ds = ray.data.from_items(items, override_num_blocks=max(1, len(items)))
-    ds.context.execution_options.preserve_order = True  # blocks in piece order (rows are sorted later anyway)
-    if node_id is None:
-        return ds.map_batches(read_transform, batch_format="pyarrow", batch_size=1)
-    import warnings
-
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    # soft=True alone makes a task wait for the node however long it stays busy (a training worker may
-    # hold its last CPU); _spill_on_unavailable (the flag Ray Serve uses for the same purpose) lets
-    # such a task run elsewhere. Passed as a raw remote arg (deprecated in Ray Data 2.60 in favour of
-    # label selectors, which cannot express this fallback); keep that warning out of the job's output.
-    affinity = NodeAffinitySchedulingStrategy(node_id=node_id, soft=True, _spill_on_unavailable=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
-        return ds.map_batches(read_transform, batch_format="pyarrow", batch_size=1, concurrency=max(1, node_cpus),
-                              scheduling_strategy=affinity)
-
-
-def transform_dataset(source, fitted: FittedPreprocessor, cfg, accounting):
-    """Lazy Ray Dataset of every usable row, transformed (see transform_pieces), in global row order."""
-    return transform_pieces(source, fitted, cfg, plan_shares(source, accounting, 1)[0])

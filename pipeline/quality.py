@@ -14,61 +14,94 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from .columns import Columns, as_float64, as_matrix
 from .errors import DataError
-from .preprocess import _as_float64
+
+_EXPECTED = {"numeric": "a finite number", "categorical": "a non-null category", "weight": "a finite number >= 0"}
 
 
-def value_problems(table: pa.Table, numeric, categorical, label: str, label_values) -> list[tuple[str, str, np.ndarray]]:
-    """(column, what, row mask) for each kind of bad value present in the table."""
+def value_problems(table: pa.Table, cols: Columns, fitted=None) -> list[tuple[str, str, str, np.ndarray]]:
+    """(column, role, what, row mask) for each kind of bad value present in the table.
+
+    fitted: a FittedPreprocessor whose classes targets must belong to (a saved fit used on new data)."""
     out = []
-    for c in numeric:
-        v = _as_float64(table[c])
-        nan = np.isnan(v)
+    for c, d in zip(cols.numeric, cols.dims):
+        if d:
+            v, wrong = as_matrix(table[c], d)
+            if wrong.any():
+                out.append((c, "numeric", f"a list whose length is not {d}", wrong))
+            nan = np.isnan(v).any(axis=1) & ~wrong
+            inf = np.isinf(v).any(axis=1)
+        else:
+            v = as_float64(table[c])
+            nan, inf = np.isnan(v), np.isinf(v)
         if nan.any():
-            out.append((c, "null or NaN", nan))
-        inf = np.isinf(v)
+            out.append((c, "numeric", "null or NaN", nan))
         if inf.any():
-            out.append((c, "inf", inf))
-    for c in categorical:
+            out.append((c, "numeric", "inf", inf))
+    for c in cols.categorical:
         col = table[c]
         if col.null_count:
-            out.append((c, "null", col.is_null().to_numpy(zero_copy_only=False)))
-    y = _as_float64(table[label])
-    nan = np.isnan(y)
-    if nan.any():
-        out.append((label, "null or NaN label", nan))
-    bad = ~np.isin(y, np.asarray(label_values, dtype=np.float64)) & ~nan
-    if bad.any():
-        out.append((label, f"label not in {list(label_values)}", bad))
+            out.append((c, "categorical", "null", col.is_null().to_numpy(zero_copy_only=False)))
+    for t in cols.targets:
+        y = None if t.family == "string" else as_float64(table[t.name])
+        null = table[t.name].is_null().to_numpy(zero_copy_only=False) if y is None else np.isnan(y)
+        if null.any():
+            out.append((t.name, "target", "null or NaN target", null))
+        if y is None:
+            continue
+        if not t.counted:
+            inf = np.isinf(y)
+            if inf.any():
+                out.append((t.name, "target", "inf target", inf))
+        if t.kind == "binary":
+            bad = (y != 0.0) & (y != 1.0) & ~null
+            if bad.any():
+                out.append((t.name, "target", "binary target not 0 or 1", bad))
+        if cols.label_values:
+            bad = ~np.isin(y, np.asarray(cols.label_values, dtype=np.float64)) & ~null
+            if bad.any():
+                out.append((t.name, "target", f"target not in quality.label_values {list(cols.label_values)}", bad))
+    if fitted is not None and cols.targets:
+        y = fitted.target_matrix(table.select([t.name for t in cols.targets]))
+        for j, t in enumerate(fitted.targets):
+            if t.kind == "multiclass":
+                unseen = np.isnan(y[:, j]) & table[t.name].is_valid().to_numpy(zero_copy_only=False)
+                if unseen.any():
+                    out.append((t.name, "target", "class not seen when the preprocessor was fitted", unseen))
+    if cols.weight:
+        w = as_float64(table[cols.weight])
+        bad = ~(np.isfinite(w) & (w >= 0))
+        if bad.any():
+            out.append((cols.weight, "weight", "null, NaN, inf or negative weight", bad))
     return out
 
 
-def screen(table: pa.Table, frag, cfg) -> tuple[pa.Table, Counter]:
+def screen(table: pa.Table, frag, cols: Columns, on_bad_value: str, fitted=None) -> tuple[pa.Table, Counter]:
     """Apply quality.on_bad_value; returns the rows kept and the dropped-row counts by reason.
 
     fail: the first bad value stops the run, naming file, column, row and value.
     drop_row: any row with any bad value is dropped.
-    fill: features are filled at transform time (mean / unknown id); a bad label still drops its row.
+    fill: features are filled at transform time (mean / unknown id); a bad target or weight still
+    drops its row (a missing target is never made up).
     """
-    d, q = cfg.data, cfg.quality
-    problems = value_problems(table, d.numeric, d.categorical, d.label, q.label_values)
+    problems = value_problems(table, cols, fitted)
     dropped: Counter = Counter()
     if not problems:
         return table, dropped
-    if q.on_bad_value == "fail":
-        col, what, mask = problems[0]
+    if on_bad_value == "fail":
+        col, role, what, mask = problems[0]
         i = int(np.argmax(mask))
         value = table[col][i].as_py()
-        expected = (f"one of {list(q.label_values)}" if col == d.label else
-                    "a finite number" if col in d.numeric else "a non-null category")
+        expected = _EXPECTED.get(role, "a valid target for its kind")
         raise DataError(
             f"column '{col}' in '{frag.path}' has {value!r} ({what}) at row {frag.file_row_start + i} of the file "
             f"(row group {frag.row_group}); expected {expected}. Fix the data upstream, or set "
             f"quality.on_bad_value = \"drop_row\" (drop such rows) or \"fill\" (fill features with the fitted "
-            f"mean or the unknown category; rows with a bad label are dropped)")
+            f"mean or the unknown category; rows with a bad target or weight are dropped)")
     drop = np.zeros(table.num_rows, dtype=bool)
-    for col, what, mask in problems:
-        if q.on_bad_value == "drop_row" or col == d.label:
+    for col, role, what, mask in problems:
+        if on_bad_value == "drop_row" or role in ("target", "weight"):
             new = mask & ~drop
             if new.any():
                 dropped[f"{what} in '{col}'"] += int(new.sum())
@@ -87,7 +120,8 @@ class Accounting:
     dropped: Counter = field(default_factory=Counter)
     quarantined: list[dict[str, Any]] = field(default_factory=list)  # manifest entries
     unknown_row_files: int = 0  # quarantined files whose footer was unreadable (row count unknown)
-    used_by_fragment: dict[int, int] = field(default_factory=dict)  # fragment row_start -> rows it yields
+    used_by_fragment: dict[int, tuple[int, int]] = field(default_factory=dict)  # fragment row_start ->
+    # (training rows, validation rows) it yields after the screen
 
     @property
     def rows_dropped(self) -> int:
@@ -101,9 +135,10 @@ class Accounting:
     def balanced(self) -> bool:
         return self.rows_read == self.rows_used + self.rows_dropped + self.rows_quarantined
 
-    def merge_fragment(self, row_start: int, rows: int, used: int, dropped: Counter, quarantine: dict | None) -> None:
+    def merge_fragment(self, row_start: int, rows: int, used: tuple[int, int], dropped: Counter,
+                       quarantine: dict | None) -> None:
         self.rows_read += rows
-        self.rows_used += used
+        self.rows_used += sum(used)
         self.used_by_fragment[row_start] = used
         self.dropped.update(dropped)
         if quarantine:

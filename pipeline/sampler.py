@@ -120,16 +120,17 @@ class BatchSampler:
             yield perm[start:stop]
 
     def state_dict(self) -> dict[str, Any]:
+        # No rank in it: every rank's state is the same dict, so any rank's (rank 0's) checkpoint loads on all.
         return {"epoch": self.epoch, "step": self.step, "seed": self.seed, "batch_size": self.batch_size,
-                "shuffle": self.shuffle, "drop_last": self.drop_last, "rank": self.rank,
-                "rank_sizes": list(self.rank_sizes), "global_rows": self.global_rows}
+                "shuffle": self.shuffle, "drop_last": self.drop_last, "rank_sizes": list(self.rank_sizes),
+                "global_rows": self.global_rows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = self.state_dict()
-        for key in ("seed", "batch_size", "shuffle", "drop_last", "rank_sizes", "rank", "global_rows"):
+        for key in ("seed", "batch_size", "shuffle", "drop_last", "rank_sizes", "global_rows"):
             if state.get(key) != mine[key]:
                 raise PipelineError(
-                    f"cannot resume exactly: the checkpoint's loader has {key}={state[key]!r} but this run has "
+                    f"cannot resume exactly: the checkpoint's loader has {key}={state.get(key)!r} but this run has "
                     f"{mine[key]!r}; resume with the same data, train.batch_size, train.seed and train.num_workers, "
                     f"or start a new run")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import storage
+from .columns import KINDS, NUMERIC_FAMILIES, Columns, Target, common_length, family
 from .config import Config
 from .errors import DataError
 
@@ -69,6 +70,17 @@ class Source:
     shards: tuple[Shard, ...]
     fragments: tuple[Fragment, ...]
     bad_files: tuple[BadFile, ...] = field(default_factory=tuple)
+    columns: Columns = Columns()
+    inferred: tuple[str, ...] | None = None  # features were inferred from the schema: the columns skipped
+
+    def describe_columns(self) -> str:
+        """One line: which columns play which role (and, when inferred, which were skipped)."""
+        c = self.columns
+        dims = [f"{n}[{d}]" if d else n for n, d in zip(c.numeric, c.dims)]
+        how = "inferred from the schema" if self.inferred is not None else "from the config"
+        skipped = f"; skipped {', '.join(self.inferred)}" if self.inferred else ""
+        return (f"features {how}: numeric {dims}, categorical {list(c.categorical)}{skipped}; targets "
+                f"{[t.name for t in c.targets] or 'none'}" + (f"; weight '{c.weight}'" if c.weight else ""))
 
     @property
     def num_rows(self) -> int:
@@ -128,50 +140,85 @@ def _footer(fs, path: str, root: str) -> Shard | BadFile:
     return Shard(path, md.num_rows, groups, size, schema, partition_of(path, root))
 
 
-def _family(t: pa.DataType) -> str:
-    if pa.types.is_dictionary(t):
-        t = t.value_type
-    if pa.types.is_boolean(t):
-        return "bool"
-    if pa.types.is_integer(t):
-        return "int"
-    if pa.types.is_floating(t) or pa.types.is_decimal(t):
-        return "float"
-    if pa.types.is_string(t) or pa.types.is_large_string(t):
-        return "string"
-    return str(t)
-
-
-_NUMERIC = {"bool", "int", "float"}  # widening between these across shards is fine for numbers and labels
-
-
 def column_types(shard: Shard) -> dict[str, str]:
     """Type family of every column, partition keys (strings) included."""
-    out = {name: _family(shard.schema.field(name).type) for name in shard.schema.names}
+    out = {name: family(shard.schema.field(name).type) for name in shard.schema.names}
     for k, _ in shard.partition:
         out.setdefault(k, "string")
     return out
 
 
-def _column_problem(shard: Shard, cfg: Config, types: dict[str, str], majority: dict[str, str]) -> str | None:
+_TARGET_FAMILIES = {"bool", "int", "float", "string"}
+
+
+def _roles(cfg: Config, features: tuple[list[str], list[str]]) -> list[tuple[str, str]]:
     d = cfg.data
-    for col, kind in [*((c, "numeric") for c in d.numeric), *((c, "categorical") for c in d.categorical),
-                      (d.label, "label")]:
-        key = "label" if kind == "label" else kind
+    return [*((c, "numeric") for c in features[0]), *((c, "categorical") for c in features[1]),
+            *((t, "label") for t in d.targets), *(((d.weight, "weight"),) if d.weight else ())]
+
+
+def _column_problem(shard: Shard, cfg: Config, roles, types: dict[str, str], majority: dict[str, str]) -> str | None:
+    for col, role in roles:
         if col not in types:
-            return (f"column '{col}' (data.{key}) is missing; the file has: {', '.join(sorted(types))}. "
-                    f"Fix data.{key} or the file")
+            return (f"column '{col}' (data.{role}) is missing; the file has: {', '.join(sorted(types))}. "
+                    f"Fix data.{role} or the file")
         fam = types[col]
-        if kind in ("numeric", "label") and fam not in _NUMERIC:
-            fix = "cast it upstream or list it under data.categorical" if kind == "numeric" else "cast it to int or bool upstream"
-            return f"column '{col}' is {fam}, config says {kind} (a number); {fix}"
-        if kind == "categorical" and fam not in _NUMERIC | {"string"}:
+        if role == "numeric" and fam not in NUMERIC_FAMILIES | {"vector"}:
+            fix = "list it under data.categorical" if fam == "string" else "cast it to a number upstream"
+            return f"column '{col}' is {fam}, config says numeric (a number or a list of numbers); {fix}"
+        if role == "weight" and fam not in NUMERIC_FAMILIES - {"temporal"}:
+            return f"column '{col}' is {fam}, data.weight must be a number; cast it upstream or name another column"
+        if role == "label":
+            kind = cfg.data.kind_of(col)
+            if fam not in _TARGET_FAMILIES:
+                return (f"target column '{col}' is {fam}; a target must be a bool, an integer, a float or a string "
+                        f"(allowed kinds: {', '.join(KINDS)}); cast it upstream or pick another data.label")
+            if fam == "string" and kind in ("binary", "regression"):
+                return (f"target column '{col}' holds strings, data.target_kind says {kind}; set data.target_kind = "
+                        f"\"multiclass\" (or \"auto\") or cast the column upstream")
+        if role == "categorical" and fam not in {"bool", "int", "float", "string"}:
             return f"column '{col}' is {fam}, config says categorical (string, integer or bool); cast it upstream"
-        if kind == "categorical" and fam != majority[col] and not (fam in {"int", "bool"} and majority[col] in {"int", "bool"}):
+        if role in ("categorical", "label") and fam != majority[col] and \
+                not (fam in {"int", "bool"} and majority[col] in {"int", "bool"}):
             # '3' and 3.0 would become different categories: refuse rather than split a vocabulary silently.
             return (f"column '{col}' is {fam} here but {majority[col]} in most shards (type drift); "
                     f"write it with one type in every shard")
     return None
+
+
+def infer_features(cfg: Config, types: dict[str, str]) -> tuple[list[str], list[str], list[str]]:
+    """(numeric, categorical, skipped) from one shard's column types: numbers and lists of numbers are
+    numeric; strings, dictionaries and bools categorical; the rest skipped. Targets, the weight and
+    data.exclude are never features."""
+    d = cfg.data
+    taken = {*d.targets, d.weight, *d.exclude}
+    numeric, categorical, skipped = [], [], []
+    for name, fam in types.items():
+        if name in taken:
+            continue
+        if fam in {"int", "float", "temporal", "vector"}:
+            numeric.append(name)
+        elif fam in {"string", "bool"}:
+            categorical.append(name)
+        else:
+            skipped.append(f"{name} ({fam})")
+    return numeric, categorical, skipped
+
+
+def _vector_dim(fs, shard: Shard, col: str) -> int:
+    """The length of a list column's values: from the schema (fixed-size list) or, for a plain list,
+    the most common length in the first row group that has a non-null value."""
+    t = shard.schema.field(col).type
+    if pa.types.is_fixed_size_list(t):
+        return t.list_size
+    with fs.open_input_file(shard.path) as f:
+        pf = pq.ParquetFile(f)
+        for g in range(pf.metadata.num_row_groups):
+            dim = common_length(pf.read_row_group(g, columns=[col])[col])
+            if dim is not None:
+                return dim
+    raise DataError(f"numeric column '{col}' in '{shard.path}' is a list column with no non-null value, so its "
+                    f"length is unknown; fill it upstream or remove it from data.numeric")
 
 
 def inspect(cfg: Config, uri: str | None = None) -> Source:
@@ -184,13 +231,20 @@ def inspect(cfg: Config, uri: str | None = None) -> Source:
     good = [s for s in found if isinstance(s, Shard)]
     bad = [b for b in found if isinstance(b, BadFile)]
     types = {s.path: column_types(s) for s in good}
+    inferred = not cfg.data.numeric and not cfg.data.categorical
+    skipped: list[str] = []
+    if inferred and good:
+        numeric, categorical, skipped = infer_features(cfg, types[good[0].path])
+    else:
+        numeric, categorical = list(cfg.data.numeric), list(cfg.data.categorical)
+    roles = _roles(cfg, (numeric, categorical))
     majority = {}
-    for col in cfg.feature_columns:
+    for col, _ in roles:
         seen = Counter(t[col] for t in types.values() if col in t)
         majority[col] = seen.most_common(1)[0][0] if seen else "missing"
     shards = []
     for s in good:
-        problem = _column_problem(s, cfg, types[s.path], majority)
+        problem = _column_problem(s, cfg, roles, types[s.path], majority)
         if problem is None:
             shards.append(s)
         else:
@@ -204,6 +258,13 @@ def inspect(cfg: Config, uri: str | None = None) -> Source:
     if not shards:
         raise DataError(f"none of the {len(paths)} files under '{uri}' is usable (first problem: '{bad[0].path}': "
                         f"{bad[0].reason}); fix the data or data.path")
+    if not numeric and not categorical:
+        raise DataError(f"no feature columns: data.numeric and data.categorical are empty and none could be inferred "
+                        f"from '{shards[0].path}' (columns: {', '.join(types[shards[0].path])}); list them in the config")
+    dims = tuple(_vector_dim(fs, shards[0], c) if types[shards[0].path][c] == "vector" else 0 for c in numeric)
+    columns = Columns(numeric=tuple(numeric), dims=dims, categorical=tuple(categorical),
+                      targets=tuple(Target(t, majority[t], cfg.data.kind_of(t)) for t in cfg.data.targets),
+                      weight=cfg.data.weight or None, label_values=cfg.quality.label_values)
     fragments = []
     offset = 0
     for s in shards:
@@ -213,7 +274,8 @@ def inspect(cfg: Config, uri: str | None = None) -> Source:
                 fragments.append(Fragment(s.path, g, offset, n, in_file, s.partition))
             offset += n
             in_file += n
-    return Source(uri, tuple(shards), tuple(fragments), tuple(bad))
+    return Source(uri, tuple(shards), tuple(fragments), tuple(bad), columns,
+                  tuple(skipped) if inferred else None)
 
 
 def read_fragment(uri: str, frag: Fragment, columns: list[str]) -> pa.Table:

@@ -1,9 +1,11 @@
-"""The Ray Train job: fit the preprocessing, hand each rank its rows, train an MLP with DDP.
+"""The built-in training job: one client of the public API (`pipeline.prepare`, `pipeline.rank_data`),
+importing nothing a user could not.
 
-Driver: validate shards -> one distributed fit pass -> plan each rank's share of the usable rows ->
-TorchTrainer. Once the workers are placed, each rank's share is read and transformed by Ray Data
-tasks on the rank's own node and materialised once into a TabularDataset; from then on the hot loop
-is torch only (DeviceLoader), and Ray is touched again only to report metrics and checkpoints.
+Driver: prepare (validate, one fit pass, plan every rank's share) -> TorchTrainer with the plan's
+datasets and DataConfig. Worker: rank_data (this rank's rows, read and transformed on its own node,
+and a loader) -> an MLP with a head per target: binary (BCE; accuracy vs the majority class),
+multiclass (cross-entropy; accuracy vs the majority class), regression (MSE; RMSE vs predicting the
+mean), several at once (the losses summed), with an optional per-row weight.
 """
 
 from __future__ import annotations
@@ -19,24 +21,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import preprocess, source, storage
-from .config import Config
-from .dataset import TabularDataset
-from .errors import DataError, PipelineError
-from .loader import DeviceLoader
-from .metrics import StepStats, timed
-from .preprocess import FittedPreprocessor, rank_bounds
-from .sampler import BatchSampler
+import pipeline
+from pipeline import storage
+from pipeline.config import Config
+from pipeline.errors import DataError, PipelineError
+from pipeline.metrics import StepStats, timed
 
 CHECKPOINT_FILE = "state.pt"
 PREPROCESSOR_FILE = "preprocessor.json"
 QUARANTINE_FILE = "quarantine.jsonl"
 
 
-class TabularMLP(nn.Module):
-    """Standardised numeric features + one embedding per categorical column -> MLP -> one logit."""
+def head_widths(fitted: "pipeline.FittedPreprocessor") -> list[int]:
+    """Model outputs per target: K logits for K classes, else one."""
+    return [t.num_classes if t.kind == "multiclass" else 1 for t in fitted.targets]
 
-    def __init__(self, num_features: int, cardinalities: tuple[int, ...], embedding_dim: int, hidden: tuple[int, ...]):
+
+class TabularMLP(nn.Module):
+    """Standardised numeric features + one embedding per categorical column -> MLP -> one output per
+    binary or regression target and one logit per class of each multiclass target."""
+
+    def __init__(self, num_features: int, cardinalities: tuple[int, ...], embedding_dim: int, hidden: tuple[int, ...],
+                 out: int = 1):
         super().__init__()
         # One table for all categorical columns, each column's ids shifted into its own range:
         # a single embedding lookup per batch instead of one per column.
@@ -48,18 +54,47 @@ class TabularMLP(nn.Module):
         for h in hidden:
             layers += [nn.Linear(width, h), nn.ReLU()]
             width = h
-        layers.append(nn.Linear(width, 1))
+        layers.append(nn.Linear(width, out))
         self.mlp = nn.Sequential(*layers)
 
     def forward(self, x_num: torch.Tensor, x_cat: torch.Tensor) -> torch.Tensor:
         parts = [x_num]
         if x_cat.shape[1]:
             parts.append(self.embedding(x_cat + self.offsets).flatten(1))
-        return self.mlp(torch.cat(parts, dim=1)).squeeze(1)
+        return self.mlp(torch.cat(parts, dim=1))
 
 
-def build_model(fitted: FittedPreprocessor, cfg: Config) -> TabularMLP:
-    return TabularMLP(fitted.num_features, fitted.cardinalities, cfg.train.embedding_dim, cfg.train.hidden)
+def build_model(fitted, cfg: Config) -> TabularMLP:
+    return TabularMLP(fitted.num_features, fitted.cardinalities, cfg.train.embedding_dim, cfg.train.hidden,
+                      sum(head_widths(fitted)))
+
+
+def _target_columns(y: torch.Tensor, n: int) -> torch.Tensor:
+    return y.reshape(y.shape[0], n)  # [B] (one target) or [B, T] -> [B, T]
+
+
+def per_row_loss(fitted, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """[B] loss per row, summed over targets."""
+    f = nn.functional
+    ys = _target_columns(y, len(fitted.targets))
+    total, at = torch.zeros(out.shape[0], device=out.device), 0
+    for j, (t, k) in enumerate(zip(fitted.targets, head_widths(fitted))):
+        o = out[:, at:at + k]
+        if t.kind == "binary":
+            total = total + f.binary_cross_entropy_with_logits(o[:, 0], ys[:, j], reduction="none")
+        elif t.kind == "multiclass":
+            total = total + f.cross_entropy(o, ys[:, j].long(), reduction="none")
+        else:
+            total = total + f.mse_loss(o[:, 0], ys[:, j], reduction="none")
+        at += k
+    return total
+
+
+def batch_loss(fitted, out: torch.Tensor, batch) -> torch.Tensor:
+    loss = per_row_loss(fitted, out, batch.y)
+    if batch.w is None:
+        return loss.mean()
+    return (loss * batch.w).sum() / batch.w.sum().clamp_min(1e-12)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,6 +109,7 @@ def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 
 
 def _all_gather(value: Any) -> list[Any]:
+    """For the job's own metrics only (where each rank ran): the data path needs no collective."""
     if not (dist.is_available() and dist.is_initialized()):
         return [value]
     out: list[Any] = [None] * dist.get_world_size()
@@ -81,32 +117,56 @@ def _all_gather(value: Any) -> list[Any]:
     return out
 
 
-def _all_gather_int(value: int) -> list[int]:
-    return [int(v) for v in _all_gather(value)]
-
-
 @torch.no_grad()
-def evaluate(model: nn.Module, data: TabularDataset, device: torch.device, chunk: int = 65_536) -> dict[str, float]:
-    """Accuracy over every rank's validation rows, beside the majority-class baseline."""
+def evaluate(model: nn.Module, data, fitted, device: torch.device, chunk: int = 65_536) -> dict[str, float]:
+    """Over every rank's validation rows, per target: accuracy beside the majority class (binary,
+    multiclass) or RMSE in the target's units beside predicting the training mean (regression).
+    The first target's figures are also given as val_metric / baseline."""
     model.eval()
-    correct = total = positives = 0.0
-    loss_sum = 0.0
+    targets, widths = fitted.targets, head_widths(fitted)
+    sums = [0.0] * (2 + len(targets))  # rows, loss, then per target: correct count or squared error
     for start in range(0, len(data), chunk):
         b = data.get_batch(torch.arange(start, min(start + chunk, len(data)))).to(device)
-        logits = model(b.x_num, b.x_cat)
-        loss_sum += nn.functional.binary_cross_entropy_with_logits(logits, b.y, reduction="sum").item()
-        correct += ((logits > 0).float() == b.y).sum().item()
-        positives += b.y.sum().item()
-        total += b.y.numel()
+        out = model(b.x_num, b.x_cat)
+        ys = _target_columns(b.y, len(targets))
+        sums[0] += ys.shape[0]
+        sums[1] += per_row_loss(fitted, out, b.y).sum().item()
+        at = 0
+        for j, (t, k) in enumerate(zip(targets, widths)):
+            o = out[:, at:at + k]
+            if t.kind == "binary":
+                sums[2 + j] += ((o[:, 0] > 0).float() == ys[:, j]).sum().item()
+            elif t.kind == "multiclass":
+                sums[2 + j] += (o.argmax(1) == ys[:, j].long()).sum().item()
+            else:
+                sums[2 + j] += ((o[:, 0] - ys[:, j]).double() ** 2).sum().item()
+            at += k
     model.train()
-    correct, total, positives, loss_sum = _all_reduce_sum([correct, total, positives, loss_sum], device)
+    sums = _all_reduce_sum(sums, device)
+    total = sums[0]
     if total == 0:
         return {"val_rows": 0}
-    return {"val_rows": int(total), "val_loss": loss_sum / total, "val_acc": correct / total,
-            "baseline_acc": max(positives, total - positives) / total}
+    out_m: dict[str, Any] = {"val_rows": int(total), "val_loss": sums[1] / total}
+    for j, t in enumerate(targets):
+        if t.kind == "regression":
+            m = fitted.stats["targets"][t.name]
+            value = float(np.sqrt(sums[2 + j] / total)) * t.std  # back in the target's units
+            baseline = float(m["std"])  # RMSE of predicting the training mean
+            out_m[f"{t.name}:val_rmse"], out_m[f"{t.name}:baseline_rmse"] = value, baseline
+            name = "val_rmse"
+        else:
+            value = sums[2 + j] / total
+            baseline = max(t.counts) / max(1, sum(t.counts))  # the training rows' majority class
+            out_m[f"{t.name}:val_acc"], out_m[f"{t.name}:baseline_acc"] = value, baseline
+            name = "val_acc"
+        if j == 0:
+            out_m.update(metric=name, val_metric=value, baseline=baseline)
+            out_m[name] = value
+            out_m["baseline_" + name.removeprefix("val_")] = baseline
+    return out_m
 
 
-def _save_checkpoint(model: nn.Module, optimizer, loader: DeviceLoader, history: list, fitted_json: str, cfg_json: str,
+def _save_checkpoint(model: nn.Module, optimizer, loader, history: list, fitted_json: str, cfg_json: str,
                      partial: dict[str, Any] | None = None):
     """A directory holding model, optimizer and loader state, the fitted preprocessor and the config.
 
@@ -131,35 +191,19 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
     import ray.train
     import ray.train.torch
 
-    from .runtime import quiet_ray_data
+    from pipeline.runtime import quiet_ray_data
 
     quiet_ray_data(progress=False)
-    cfg = Config.model_validate(loop_config["config"])
-    fitted = FittedPreprocessor.from_dict(loop_config["fitted"])
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    device = ray.train.torch.get_device()
+    plan = loop_config["plan"]
+    cfg, fitted = plan.config, plan.fitted
+    data = pipeline.rank_data(plan)
+    rank, world, device, loader = data.rank, data.world_size, data.device, data.loader
+    print(data.describe(), flush=True)
     t = cfg.train
     node_ids = _all_gather(ray.get_runtime_context().get_node_id())  # where each rank runs, by rank
-
-    full, local = receive_share(ray.train.get_dataset_shard("train"), loop_config["share_rows"][rank], rank, cfg,
-                                fitted.num_features + len(fitted.categorical) + 1, ctx.get_local_world_size())
-    local_rows = _all_gather_int(local)  # rows each rank's share had transformed on the rank's own node
-    train_ds, val_ds = full.split_holdout(cfg.data.val_fraction, t.seed)
-    del full
-    if t.shuffle == "global":  # every rank holds all rows; the sampler deals a new share each epoch
-        sizes = rank_sizes(len(train_ds), world)
-        lo, hi = rank_bounds(len(val_ds), world, rank)
-        val_ds = val_ds.subset(torch.arange(lo, hi))
-        sampler = BatchSampler(sizes[rank], t.batch_size, seed=t.seed, shuffle=True, drop_last=t.drop_last,
-                               rank=rank, rank_sizes=sizes, global_rows=len(train_ds))
-    else:
-        sizes = _all_gather_int(len(train_ds))
-        sampler = BatchSampler(len(train_ds), t.batch_size, seed=t.seed, shuffle=t.shuffle == "local",
-                               drop_last=t.drop_last, rank=rank, rank_sizes=sizes)
-    loader = DeviceLoader(train_ds, sampler, device, placement=cfg.loader.placement, prefetch=cfg.loader.prefetch,
-                          device_memory_fraction=cfg.loader.device_memory_fraction,
-                          chunk_bytes=int(cfg.loader.chunk_mib * 2**20))
+    local_rows = [int(v) for v in _all_gather(data.rows_local)]
+    share_rows = [a + b for a, b in zip(plan.train_sizes, plan.val_sizes)] if not plan.global_shuffle else \
+        [plan.train_rows + v for v in plan.val_sizes]
 
     torch.manual_seed(t.seed)  # identical initial weights on every rank (DDP broadcasts rank 0's anyway)
     model = ray.train.torch.prepare_model(build_model(fitted, cfg))
@@ -173,17 +217,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
             state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location=device, weights_only=False)
         (model.module if hasattr(model, "module") else model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        loader.load_state_dict({**state["loader"], "rank": rank})
+        loader.load_state_dict(state["loader"])  # the same dict on every rank
         history = state["history"]
         partial = state.get("partial")
 
     if rank == 0:
-        dropped = sum(max(0, s - sampler.steps * t.batch_size) for s in sizes) if t.drop_last else 0
-        print(f"[train] {world} worker(s) on {device.type}, placement={loader.placement}; rows per rank {sizes}; "
-              f"{len(loader)} steps/epoch of {t.batch_size}; drop_last remainder {dropped} rows/epoch", flush=True)
+        sizes = plan.train_sizes
+        dropped = sum(max(0, n - len(loader) * t.batch_size) for n in sizes) if t.drop_last else 0
+        print(f"[train] {world} worker(s) on {device.type}, placement={loader.placement}; training rows per rank "
+              f"{sizes}; {len(loader)} steps/epoch of {t.batch_size}; drop_last remainder {dropped} rows/epoch", flush=True)
 
     fitted_json, cfg_json = json.dumps(fitted.to_dict()), json.dumps(cfg.to_dict())
-    loss_fn = nn.BCEWithLogitsLoss()
     trace = open(os.path.join(loop_config["run_dir"], f"trace-rank{rank}.txt"), "a") \
         if t.trace_batches and loop_config.get("run_dir") else None
     every = t.checkpoint_every_steps
@@ -200,21 +244,20 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
         partial = None
         t0 = time.perf_counter()
         for batch in timed(loader, stats):
-            logits = model(batch.x_num, batch.x_cat)
-            loss = loss_fn(logits, batch.y)
+            loss = batch_loss(fitted, model(batch.x_num, batch.x_cat), batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             loss_sum += loss.detach()  # no .item() per step: that would sync the GPU every batch
             step = loader.delivered  # batches of this epoch so far (no dict built per step)
             if trace is not None:
-                ids = train_ds.row_id[loader.last_index.cpu()].numpy()
+                ids = data.train.row_id[loader.last_index.cpu()].numpy()
                 trace.write(f"{epoch} {step} {hashlib.sha1(ids.tobytes()).hexdigest()[:16]}\n")
                 trace.flush()
             if every and step % every == 0 and step < len(loader):  # mid-epoch: every rank reports (a collective)
                 # The epoch so far over all ranks, this step included (`timed` counts it when the body ends).
                 sums = _all_reduce_sum([loss_sum.item() + carried[0], stats.steps + 1 + carried[1],
-                                        stats.rows + batch.y.shape[0] + carried[2], stats.data_wait_s + carried[3],
+                                        stats.rows + batch.x_num.shape[0] + carried[2], stats.data_wait_s + carried[3],
                                         stats.total_s + carried[4]], device)
                 mid = {"epoch": epoch, "sums": sums, "wall": time.perf_counter() - t0 + carried_wall}
                 ckpt_mid = _save_checkpoint(model, optimizer, loader, history, fitted_json, cfg_json, mid) \
@@ -226,13 +269,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
              stats.data_wait_s + carried[3], stats.total_s + carried[4]], device)
         metrics = {"epoch": epoch + 1, "train_loss": loss_total / max(1, steps), "rows": int(rows),
                    "rows_per_s": rows / max(wall, 1e-9), "data_wait_pct": 100.0 * wait / max(busy, 1e-9),
-                   "epoch_s": wall, "node_ids": node_ids,
-                   "share_rows": loop_config["share_rows"], "share_rows_local": local_rows, **evaluate(model, val_ds, device)}
+                   "epoch_s": wall, "node_ids": node_ids, "share_rows": share_rows, "share_rows_local": local_rows,
+                   **evaluate(model, data.val, fitted, device)}
         history.append(metrics)
         if rank == 0:
             print(f"[train] epoch {metrics['epoch']}/{t.epochs}  loss {metrics['train_loss']:.4f}  "
-                  f"val_acc {metrics.get('val_acc', float('nan')):.4f} (majority baseline "
-                  f"{metrics.get('baseline_acc', float('nan')):.4f})  {metrics['rows_per_s']:,.0f} rows/s  "
+                  f"{metrics.get('metric', 'val')} {metrics.get('val_metric', float('nan')):.4f} (baseline "
+                  f"{metrics.get('baseline', float('nan')):.4f})  {metrics['rows_per_s']:,.0f} rows/s  "
                   f"data wait {metrics['data_wait_pct']:.1f}% of step time", flush=True)
         checkpoint = _save_checkpoint(model, optimizer, loader, history, fitted_json, cfg_json) if rank == 0 else None
         ray.train.report(metrics, checkpoint=checkpoint)
@@ -241,93 +284,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------------------------------------
 # On the driver
-
-
-def rank_sizes(n: int, world: int) -> list[int]:
-    return [hi - lo for lo, hi in (rank_bounds(n, world, r) for r in range(world))]
-
-
-def make_data_config(src, fitted: FittedPreprocessor, cfg: Config, shares: list, cpus_per_worker: float = 1.0):
-    """Each rank's Ray Dataset: its planned share of the rows (see preprocess.plan_shares: a pure
-    function of the data and the world size, so which rows a rank owns is reproducible), read and
-    transformed by Ray Data tasks pinned to the node that rank runs on (soft node affinity), so the
-    transformed blocks are produced in that node's object store and never cross the network. Ray's
-    own streaming_split is locality-aware too, but which rows it hands a rank depends on where
-    blocks happen to be, which would make the order irreproducible."""
-    from ray.train import DataConfig
-
-    class LocalShareSplit(DataConfig):
-        def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
-            if world_size != len(shares):
-                raise RuntimeError(f"planned shares for {len(shares)} workers, Ray Train started {world_size}")
-            spare = _spare_cpus(worker_node_ids, cpus_per_worker)
-            out = []
-            for r in range(world_size):
-                node = worker_node_ids[r] if worker_node_ids else None
-                # A node with no CPU beside its training workers cannot transform anything: no affinity.
-                cpus = spare.get(node, 0) // max(1, worker_node_ids.count(node)) if node else 0
-                part = preprocess.transform_pieces(src, fitted, cfg, shares[r], node_id=node if cpus >= 1 else None,
-                                                   node_cpus=cpus)
-                part.context.enable_progress_bars = False  # a worker's read of its share takes seconds
-                out.append({"train": part.iterator()})
-            return out
-
-    return LocalShareSplit()
-
-
-def _spare_cpus(worker_node_ids, cpus_per_worker: float) -> dict[str, int]:
-    """CPUs each training node has beside the training workers placed on it (totals from the GCS)."""
-    import ray
-
-    if not worker_node_ids:
-        return {}
-    totals = {n["NodeID"]: n.get("Resources", {}).get("CPU", 0) for n in ray.nodes() if n.get("Alive")}
-    return {node: int(totals.get(node, 0) - cpus_per_worker * worker_node_ids.count(node)) for node in set(worker_node_ids)}
-
-
-def available_memory() -> int:
-    """Bytes of memory this node can still give without swapping (MemAvailable; 0 where unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def spill_dir_for(cfg: Config, rows: int, width: int, ranks_on_node: int = 1) -> tuple[str | None, str]:
-    """(directory for a memory-mapped share or None for RAM, and why) per loader.spill. The share is
-    held twice for a moment (whole, then split into training and validation rows), by every rank on
-    the node."""
-    need, avail = 2 * rows * width * 4 * ranks_on_node, available_memory()
-    spill = cfg.loader.spill == "always" or (cfg.loader.spill == "auto" and 0 < avail < 2 * need)
-    if not spill:
-        return None, "in memory"
-    d = cfg.loader.spill_dir or os.path.join(tempfile.gettempdir(), "pipeline-spill")
-    why = "loader.spill = always" if cfg.loader.spill == "always" else \
-        f"{need / 2**30:.1f} GiB needed, {avail / 2**30:.1f} GiB available"
-    return d, f"memory-mapped from files in {d} ({why})"
-
-
-def receive_share(iterator, expected_rows: int, rank: int, cfg: Config, width: int,
-                  ranks_on_node: int = 1) -> tuple[TabularDataset, int]:
-    """Materialise this rank's share once (epochs then never touch Ray), in memory or memory-mapped
-    from local disk (loader.spill), check that it holds exactly the planned number of rows, and say
-    how much of it was transformed on this node."""
-    spill_dir, where = spill_dir_for(cfg, expected_rows, width, ranks_on_node)
-    t0 = time.perf_counter()
-    blocks = list(iterator.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2))
-    n = sum(len(b["y"]) for b in blocks)
-    local = sum(int(b["local"].sum()) for b in blocks)
-    if n != expected_rows:
-        raise DataError(f"rank {rank} received {n:,} rows but its planned share is {expected_rows:,}; was data.path "
-                        f"modified during the run?")
-    ds = TabularDataset.from_blocks(blocks, spill_dir=spill_dir)
-    print(f"[data] rank {rank}: {n:,} rows in {len(blocks)} blocks, {100.0 * local / max(1, n):.0f}% transformed on "
-          f"this node, in {time.perf_counter() - t0:.1f}s; rows {where}", flush=True)
-    return ds, local
 
 
 def run_name(cfg: Config) -> str:
@@ -358,27 +314,23 @@ def check_resume(cfg: Config, out_uri: str) -> None:
                             f"run (run.resume = false)")
 
 
-def fit_preprocessor(cfg: Config, out_uri: str):
-    """Validate, then one distributed pass: the fitted preprocessor (saved) and the row accounting."""
-    src = source.inspect(cfg)
-    bad = f"; {len(src.bad_files)} bad files quarantined" if src.bad_files else ""
-    print(f"[fit] {len(src.shards)} shards, {src.num_rows:,} rows, {len(src.fragments)} row groups under {src.uri}{bad}",
-          flush=True)
-    t0 = time.perf_counter()
-    fitted, acct = preprocess.fit(src, cfg)
+def prepare_run(cfg: Config, out_uri: str, world_size: int) -> "pipeline.IngestPlan":
+    """Validate, fit (or, resuming, reuse the run's preprocessor), plan; save the preprocessor and the
+    quarantine manifest to the run folder and print what was decided."""
     saved = storage.join(out_uri, PREPROCESSOR_FILE)
-    if cfg.run.resume and storage.exists(*storage.filesystem(saved)):
+    earlier = cfg.run.resume and storage.exists(*storage.filesystem(saved))
+    plan = pipeline.prepare(config=cfg, world_size=world_size, fitted=saved if earlier else None)
+    if earlier:
         print(f"[fit] resuming: using the preprocessor fitted earlier, {saved}", flush=True)
-        fitted = FittedPreprocessor.load(saved)
     else:
-        fitted.save(saved)
-    if acct.quarantined:
-        storage.write_text(storage.join(out_uri, QUARANTINE_FILE), acct.manifest_jsonl())
-    print(f"[fit] one pass in {time.perf_counter() - t0:.1f}s: {fitted.num_features} numeric features, "
-          f"vocab sizes {dict(zip(fitted.categorical, (len(v) for v in fitted.vocab)))}; saved {saved}", flush=True)
-    print(f"[rows] {acct.summary()}" + (f"; manifest {storage.join(out_uri, QUARANTINE_FILE)}" if acct.quarantined else ""),
-          flush=True)
-    return src, fitted, acct
+        plan.fitted.save(saved)
+    manifest = storage.join(out_uri, QUARANTINE_FILE)
+    if plan.accounting.quarantined:
+        storage.write_text(manifest, plan.accounting.manifest_jsonl())
+    lines = plan.describe()
+    lines[2] += f"; manifest {manifest}" if plan.accounting.quarantined else ""
+    print("\n".join(lines) + f"\n[fit] saved {saved}", flush=True)
+    return plan
 
 
 def run(cfg: Config) -> dict[str, Any]:
@@ -387,18 +339,18 @@ def run(cfg: Config) -> dict[str, Any]:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    if not cfg.data.targets:
+        raise PipelineError("data.label is empty, so there is nothing for the built-in train job to learn; name the "
+                            "target column(s) with data.label, or read unlabelled rows through pipeline.prepare and "
+                            "pipeline.rank_data in your own loop (README: 'Your own training loop')")
     name = run_name(cfg)
     out_uri = storage.join(cfg.run.output, name)
     t_start = time.perf_counter()
     check_resume(cfg, out_uri)
-    src, fitted, acct = fit_preprocessor(cfg, out_uri)
-
+    plan = prepare_run(cfg, out_uri, cfg.train.num_workers)
+    acct = plan.accounting
     if not acct.balanced:
         raise DataError(f"row accounting does not balance: {acct.summary()}; was data.path modified during the run?")
-    shares = preprocess.plan_shares(src, acct, cfg.train.num_workers, whole=cfg.train.shuffle == "global")
-    share_rows = [sum(p.hi - p.lo for p in share) for share in shares]
-    print(f"[plan] rows per rank {share_rows}, from {[len(s) for s in shares]} row-group pieces; each rank's "
-          f"pieces are read and transformed on its own node where it has a CPU to spare", flush=True)
 
     use_gpu = cfg.train.use_gpu == "true" or (cfg.train.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
     # Ray Train writes through the filesystem pipeline.storage builds (same endpoint, addressing style
@@ -406,24 +358,24 @@ def run(cfg: Config) -> dict[str, Any]:
     storage_path, storage_filesystem = storage.ray_storage(cfg.run.output)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": cfg.to_dict(), "fitted": fitted.to_dict(), "share_rows": share_rows,
-                           "run_dir": os.path.abspath(out_uri) if storage.is_local(out_uri) else None},
+        train_loop_config={"plan": plan, "run_dir": os.path.abspath(out_uri) if storage.is_local(out_uri) else None},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=use_gpu,
                                      resources_per_worker=None if use_gpu else {"CPU": 1},
                                      placement_strategy=cfg.train.placement_strategy),
-        # Ray Train wants the dataset up front; LocalShareSplit replaces it by each rank's share.
-        datasets={"train": preprocess.transform_dataset(src, fitted, cfg, acct)},
-        dataset_config=make_data_config(src, fitted, cfg, shares, cpus_per_worker=0.0 if use_gpu else 1.0),
         run_config=RunConfig(name=name, storage_path=storage_path, storage_filesystem=storage_filesystem,
                              checkpoint_config=CheckpointConfig(num_to_keep=2),
                              failure_config=FailureConfig(max_failures=cfg.train.max_failures)),
+        **plan.trainer_kwargs(cpus_per_worker=0.0 if use_gpu else 1.0),
     )
     result = trainer.fit()
     history = result.return_value or []
     if not history and result.checkpoint is not None:
         with result.checkpoint.as_directory() as d:
             history = torch.load(os.path.join(d, CHECKPOINT_FILE), weights_only=False)["history"]
-    summary = {"run": out_uri, "rows_read": acct.rows_read, "accounting": acct.as_dict(), "accounting_summary": acct.summary(), "epochs": history, "checkpoint": storage.to_uri(result.checkpoint.filesystem, result.checkpoint.path) if result.checkpoint else None,
+    summary = {"run": out_uri, "rows_read": acct.rows_read, "accounting": acct.as_dict(),
+               "accounting_summary": acct.summary(), "epochs": history,
+               "targets": [{"name": t.name, "kind": t.kind, "classes": len(t.classes)} for t in plan.fitted.targets],
+               "checkpoint": storage.to_uri(result.checkpoint.filesystem, result.checkpoint.path) if result.checkpoint else None,
                "preprocessor": storage.join(out_uri, PREPROCESSOR_FILE), "use_gpu": use_gpu,
                "wall_s": round(time.perf_counter() - t_start, 2)}
     storage.write_json(storage.join(out_uri, "metrics.json"), summary)

@@ -1,0 +1,142 @@
+"""Column roles and the conversions every stage shares: the bottom floor, imported by source, quality,
+preprocess and the readers (it imports none of them).
+
+A `Columns` says what each configured column is for once the schema is known: numeric features
+(scalars, or fixed-length lists of numbers such as embeddings, each list element one feature),
+categorical features, targets (with the arrow type family they have in the files and the kind asked
+for), and an optional per-row weight. It is built on the driver from the config and the footers
+(source.inspect) and travels to every task, so all of them read and judge rows the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+KINDS = ("binary", "multiclass", "regression")
+
+
+def family(t: pa.DataType) -> str:
+    """The type family that decides what a column can be used as."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if pa.types.is_boolean(t):
+        return "bool"
+    if pa.types.is_integer(t):
+        return "int"
+    if pa.types.is_floating(t) or pa.types.is_decimal(t):
+        return "float"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    if pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_duration(t):
+        return "temporal"
+    if (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)) and \
+            family(t.value_type) in ("int", "float", "bool"):
+        return "vector"
+    return str(t)
+
+
+NUMERIC_FAMILIES = {"bool", "int", "float", "temporal"}  # can be a number (a scalar feature, a target, a weight)
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    family: str  # in the files: bool, int, float or string
+    kind: str  # auto (resolved after the fit pass), binary, multiclass or regression
+
+    @property
+    def counted(self) -> bool:
+        """Fit counts its values (classes) rather than taking moments (regression)."""
+        if self.kind == "auto":
+            return self.family != "float"
+        return self.kind != "regression"
+
+
+@dataclass(frozen=True)
+class Columns:
+    numeric: tuple[str, ...] = ()
+    dims: tuple[int, ...] = ()  # per numeric column: 0 for a scalar, d for a list of d numbers
+    categorical: tuple[str, ...] = ()
+    targets: tuple[Target, ...] = ()
+    weight: str | None = None
+    label_values: tuple[float, ...] = ()  # allowed target values; empty: any the kind allows
+
+    @property
+    def read(self) -> list[str]:
+        """Every column a task reads (column pushdown)."""
+        return [*self.numeric, *self.categorical, *(t.name for t in self.targets),
+                *([self.weight] if self.weight else [])]
+
+    @property
+    def target_names(self) -> list[str]:
+        return [t.name for t in self.targets]
+
+
+def _combined(col: pa.ChunkedArray | pa.Array) -> pa.Array:
+    return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+
+
+def as_float64(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """A scalar numeric column as float64 numpy, NaN for nulls.
+
+    Numbers float64 cannot hold exactly (int64/uint64 beyond 2**53, decimals with many digits) are
+    rounded to the nearest float64, which is what a float32 feature keeps of them anyway; timestamps,
+    dates and durations become their integer count of the type's unit (e.g. microseconds since 1970)."""
+    arr = _combined(col)
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_decode()
+    if family(arr.type) == "temporal":
+        arr = pc.cast(arr, pa.int64() if not pa.types.is_date32(arr.type) else pa.int32())
+    if not pa.types.is_float64(arr.type):
+        arr = pc.cast(arr, pa.float64(), safe=False)
+    return arr.to_numpy(zero_copy_only=False)  # nulls -> NaN
+
+
+def as_string(col: pa.ChunkedArray | pa.Array) -> pa.Array:
+    col = _combined(col)
+    if pa.types.is_dictionary(col.type):
+        col = col.dictionary_decode()
+    if pa.types.is_string(col.type):
+        return col
+    if pa.types.is_floating(col.type):  # 3.0 and 3 are one class; "3.0" would be another
+        as_int = pc.cast(col, pa.int64(), safe=False)
+        whole = pc.equal(pc.cast(as_int, col.type), col)
+        col = pc.if_else(whole, pc.cast(as_int, pa.string()), pc.cast(col, pa.string()))
+        return col
+    return pc.cast(col, pa.string())
+
+
+def as_matrix(col: pa.ChunkedArray | pa.Array, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """A list-of-numbers column as float64 [n, dim] (NaN rows where null), and a mask of rows whose
+    list has another length than `dim` (those rows are NaN too)."""
+    arr = _combined(col)
+    n = len(arr)
+    out = np.full((n, dim), np.nan)
+    if pa.types.is_fixed_size_list(arr.type):
+        lengths = np.full(n, arr.type.list_size)
+    else:
+        lengths = pc.fill_null(pc.list_value_length(arr), 0).to_numpy(zero_copy_only=False)
+    valid = arr.is_valid().to_numpy(zero_copy_only=False)
+    wrong = valid & (lengths != dim)
+    ok = valid & ~wrong
+    if ok.any():
+        values = as_float64(pc.list_flatten(arr.filter(pa.array(ok))))
+        out[ok] = values.reshape(-1, dim)
+    return out, wrong
+
+
+def common_length(col: pa.ChunkedArray | pa.Array) -> int | None:
+    """The most common length of a list column's non-null values (None when all are null)."""
+    arr = _combined(col)
+    if pa.types.is_fixed_size_list(arr.type):
+        return arr.type.list_size
+    lengths = pc.list_value_length(arr).drop_null()
+    if len(lengths) == 0:
+        return None
+    vc = pc.value_counts(lengths)
+    counts = vc.field("counts").to_numpy()
+    return int(vc.field("values")[int(np.argmax(counts))].as_py())

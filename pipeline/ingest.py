@@ -1,0 +1,386 @@
+"""The public API: describe the data once on the driver, get each rank's rows and a loader in the loop.
+
+Driver (or every torchrun process, or a notebook):
+
+    plan = pipeline.prepare("data/demo", label="label", world_size=2)   # validate, fit, plan every rank's share
+    trainer = TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=2), **plan.trainer_kwargs())
+
+Worker (inside the loop, under Ray Train, torchrun or none):
+
+    data = pipeline.rank_data(plan, batch_size=1024)     # this rank's training/validation rows + a loader
+    for epoch in range(epochs):
+        data.loader.set_epoch(epoch)
+        for batch in data.loader: ...                    # pipeline.Batch(x_num, x_cat, y, w) on the device
+
+`prepare` runs the fit pass on Ray when Ray is initialised (one task per row group, across the
+cluster) and in this process otherwise; both give the same fitted state and the same plan. Under Ray
+Train each rank's rows are read and transformed by Ray Data tasks on the rank's own node; elsewhere
+the rank reads them itself with pyarrow. Either way rank r sees exactly the same rows and batches.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import config as config_mod
+from . import storage
+from .config import Config
+from .errors import ConfigError, DataError, PipelineError
+from .plan import Piece, plan_shares, rank_sizes
+from .preprocess import FittedPreprocessor
+from .quality import Accounting
+from .source import Source, inspect
+from .tasks import ReadSpec, merge_fit
+
+_PLAN_FORMAT = "pipeline.IngestPlan/1"
+_SECTIONS = ("data", "quality", "preprocess")  # where prepare()'s keyword arguments are looked up
+
+
+@dataclass
+class IngestPlan:
+    """What the driver decided: the validated source, the fitted preprocessing, the row accounting and
+    every rank's share (pieces of row groups; sizes within one row). Small and picklable: pass it to
+    your training function (closure or train_loop_config); `trainer_kwargs()` wires it into TorchTrainer."""
+
+    config: Config
+    source: Source
+    fitted: FittedPreprocessor
+    accounting: Accounting
+    world_size: int
+    train_shares: list[list[Piece]]
+    val_shares: list[list[Piece]]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def spec(self) -> ReadSpec:
+        c = self.config
+        return ReadSpec(self.source.uri, self.source.columns, c.quality.on_bad_file, c.quality.on_bad_value,
+                        c.data.val_fraction, c.data.val_seed)
+
+    @property
+    def global_shuffle(self) -> bool:
+        return self.config.train.shuffle == "global"
+
+    @property
+    def train_rows(self) -> int:
+        return sum(u[0] for u in self.accounting.used_by_fragment.values())
+
+    @property
+    def train_sizes(self) -> list[int]:
+        """Training rows of every rank (in global shuffle mode: each rank's share of every epoch)."""
+        if self.global_shuffle:
+            return rank_sizes(self.train_rows, self.world_size)
+        return [sum(p.rows for p in s) for s in self.train_shares]
+
+    @property
+    def val_sizes(self) -> list[int]:
+        return [sum(p.rows for p in s) for s in self.val_shares]
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """What rank reads: its training pieces, then its validation pieces."""
+        return [*self.train_shares[rank], *self.val_shares[rank]]
+
+    def trainer_kwargs(self, datasets: dict[str, Any] | None = None, dataset_config=None,
+                       cpus_per_worker: float = 1.0) -> dict[str, Any]:
+        """`TorchTrainer(..., **plan.trainer_kwargs())`: the datasets and the DataConfig that give every
+        rank its share. Your own `datasets` are kept and split by `dataset_config` (default: Ray Train's
+        DataConfig), exactly as without this library. cpus_per_worker: CPUs each training worker holds
+        (what your ScalingConfig asks), to know what a node has left for reading shares."""
+        from . import ray_side
+
+        if datasets and ray_side.DATASET in datasets:
+            raise ConfigError(f"the dataset name '{ray_side.DATASET}' is taken by the ingest plan; rename your dataset")
+        return {"datasets": {**(datasets or {}), ray_side.DATASET: ray_side.placeholder()},
+                "dataset_config": ray_side.data_config(self, base=dataset_config, cpus_per_worker=cpus_per_worker)}
+
+    def describe(self) -> list[str]:
+        """The lines a job prints about the plan."""
+        t = self.timings
+        kinds = ", ".join(f"'{x.name}' {x.kind}" + (f" ({x.num_classes} classes)" if x.num_classes > 2 else "")
+                          for x in self.fitted.targets) or "none (unlabelled)"
+        return [f"[fit] {len(self.source.shards)} shards, {self.source.num_rows:,} rows, {len(self.source.fragments)} "
+                f"row groups under {self.source.uri}; {self.source.describe_columns()}",
+                f"[fit] one pass in {t.get('fit_s', 0):.1f}s ({t.get('fit_on', '?')}): {self.fitted.num_features} "
+                f"numeric features, vocab sizes {dict(zip(self.fitted.categorical, (len(v) for v in self.fitted.vocab)))}; "
+                f"targets: {kinds}",
+                f"[rows] {self.accounting.summary()}",
+                f"[plan] training rows per rank {self.train_sizes}, validation rows per rank {self.val_sizes}, from "
+                f"{[len(self.pieces(r)) for r in range(self.world_size)]} row-group pieces"]
+
+    def save(self, uri: str) -> None:
+        """Pickle the plan to a file or URI (load it with IngestPlan.load in the same code version)."""
+        fs, path = storage.filesystem(uri)
+        with fs.open_output_stream(path) as out:
+            out.write(pickle.dumps((_PLAN_FORMAT, self)))
+
+    @classmethod
+    def load(cls, uri: str) -> "IngestPlan":
+        fs, path = storage.filesystem(uri)
+        with fs.open_input_stream(path) as f:
+            fmt, plan = pickle.loads(f.read())
+        if fmt != _PLAN_FORMAT:
+            raise PipelineError(f"'{uri}' holds {fmt!r}, not {_PLAN_FORMAT!r}; prepare the plan again with this version")
+        return plan
+
+
+def build_config(config: Config | str | Path | None = None, path: str | None = None, **settings: Any) -> Config:
+    """A Config from a Config, a TOML file or the defaults, with keyword overrides: a data, quality or
+    preprocess key by its bare name (label=, numeric=, on_bad_value=, ...) or any key by its dotted
+    name through `settings={'train.shuffle': 'global'}`."""
+    known = config_mod.keys()
+    overrides: dict[str, Any] = dict(settings.pop("settings", None) or {})
+    if path is not None:
+        overrides["data.path"] = path
+    for name, value in settings.items():
+        if value is None:
+            continue
+        hits = [f"{s}.{name}" for s in _SECTIONS if f"{s}.{name}" in known]
+        if not hits:
+            raise ConfigError(config_mod._unknown(name, {k.split(".", 1)[1] for k in known if k.split(".")[0] in _SECTIONS},
+                                                  "prepare()", what="keyword argument"))
+        overrides[hits[0]] = list(value) if isinstance(value, tuple) else value
+    if isinstance(config, Config):
+        return config_mod.Config.model_validate({**config.to_dict(), **_nest(overrides, config.to_dict())}) \
+            if overrides else config
+    return config_mod.load(config, overrides)
+
+
+def _nest(overrides: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        section, name = key.split(".", 1)
+        out.setdefault(section, dict(base.get(section, {})))[name] = value
+    return out
+
+
+def _ray_ready() -> bool:
+    import sys
+
+    if "ray" not in sys.modules:
+        return False
+    import ray
+
+    return ray.is_initialized()
+
+
+def prepare(path: str | None = None, *, world_size: int | None = None, config: Config | str | Path | None = None,
+            fitted: FittedPreprocessor | str | None = None, use_ray: bool | None = None, **data: Any) -> IngestPlan:
+    """Validate the shards, fit the preprocessing in one pass, and plan every rank's share.
+
+    path: a directory or URI of Parquet shards (or data.path of `config`). Describe the data with
+    keyword arguments (label=, numeric=, categorical=, weight=, target_kind=, val_fraction=,
+    on_bad_value=, ...: any data/quality/preprocess key) or a TOML `config`; features left unnamed
+    are inferred from the schema. world_size: the number of training ranks (default: torch.distributed's
+    world size, else $WORLD_SIZE, else 1). fitted: a FittedPreprocessor (or its JSON path) to use
+    instead of the one this pass fits, e.g. when resuming. use_ray: run the fit pass on Ray (default:
+    when Ray is initialised)."""
+    cfg = build_config(config, path, **data)
+    world = world_size or _default_world()
+    t0 = time.perf_counter()
+    src = inspect(cfg)
+    spec = ReadSpec(src.uri, src.columns, cfg.quality.on_bad_file, cfg.quality.on_bad_value, cfg.data.val_fraction,
+                    cfg.data.val_seed)
+    on_ray = _ray_ready() if use_ray is None else use_ray
+    if on_ray:
+        from . import ray_side as side
+    else:
+        from . import local_side as side  # type: ignore[no-redef]
+    t1 = time.perf_counter()
+    total, acct = merge_fit(side.fit_records(src, spec), src)
+    fit_s = time.perf_counter() - t1
+    if total.rows == 0:
+        raise DataError(f"no usable rows under '{src.uri}': {acct.summary()}; fix the data or the quality policy")
+    p = cfg.preprocess
+    if isinstance(fitted, str):
+        fitted = FittedPreprocessor.load(fitted)
+    fitted = fitted or FittedPreprocessor.from_stats(total, src.columns, max_size=p.vocab_max_size,
+                                                     min_count=p.vocab_min_count, missing_indicator=p.missing_indicator,
+                                                     standardize_target=p.standardize_target)
+    train_counts = {k: u[0] for k, u in acct.used_by_fragment.items()}
+    val_counts = {k: u[1] for k, u in acct.used_by_fragment.items()}
+    plan = IngestPlan(cfg, src, fitted, acct, world,
+                      plan_shares(src.fragments, train_counts, world, whole=cfg.train.shuffle == "global"),
+                      plan_shares(src.fragments, val_counts, world, val=True),
+                      {"validate_s": t1 - t0, "fit_s": fit_s, "fit_on": "Ray" if on_ray else "this process"})
+    if min(plan.train_sizes) == 0:
+        raise DataError(f"{world} ranks but only {plan.train_rows:,} training rows: ranks "
+                        f"{[r for r, n in enumerate(plan.train_sizes) if n == 0]} would get none; use fewer ranks")
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside each training process
+
+
+def _in_ray_train() -> bool:
+    import sys
+
+    if "ray.train" not in sys.modules:
+        return False
+    import ray.train
+
+    try:
+        ray.train.get_context()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _torch_dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _default_world() -> int:
+    dist = _torch_dist()
+    if dist is not None:
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank_context() -> tuple[str, int, int]:
+    """(launcher, rank, world size): Ray Train's context, else torch.distributed, else $RANK /
+    $WORLD_SIZE (torchrun sets them), else a single process."""
+    if _in_ray_train():
+        import ray.train
+
+        ctx = ray.train.get_context()
+        return "ray", ctx.get_world_rank(), ctx.get_world_size()
+    dist = _torch_dist()
+    if dist is not None:
+        return "torch.distributed", dist.get_rank(), dist.get_world_size()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return "environment", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return "single process", 0, 1
+
+
+def _default_device(launcher: str):
+    import torch
+
+    if launcher == "ray":
+        import ray.train.torch
+
+        return ray.train.torch.get_device()
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def available_memory() -> int:
+    """Bytes of memory this node can still give without swapping (MemAvailable; 0 where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def spill_dir_for(cfg: Config, rows: int, width: int, ranks_on_node: int = 1) -> tuple[str | None, str]:
+    """(directory for a memory-mapped share or None for RAM, and why) per loader.spill: the rows of
+    every rank on the node against half of the node's available memory."""
+    need, avail = rows * width * 4 * ranks_on_node, available_memory()
+    spill = cfg.loader.spill == "always" or (cfg.loader.spill == "auto" and 0 < avail < 2 * need)
+    if not spill:
+        return None, "in memory"
+    d = cfg.loader.spill_dir or os.path.join(tempfile.gettempdir(), "pipeline-spill")
+    why = "loader.spill = always" if cfg.loader.spill == "always" else \
+        f"{need / 2**30:.1f} GiB needed, {avail / 2**30:.1f} GiB available"
+    return d, f"memory-mapped from files in {d} ({why})"
+
+
+@dataclass
+class RankData:
+    """This rank's rows and loader. `train`/`val` are TabularDatasets (packed rows in row-id order);
+    `loader` yields `Batch`es on `device`, the same number on every rank, and its `state_dict()` is
+    the same dict on every rank (save rank 0's, load it on all to resume exactly)."""
+
+    plan: IngestPlan
+    rank: int
+    world_size: int
+    launcher: str
+    device: Any
+    train: Any  # TabularDataset
+    val: Any  # TabularDataset
+    loader: Any  # DeviceLoader
+    rows_local: int  # rows of this rank's share transformed on this node (Ray) or in this process
+    read_s: float
+    where: str
+
+    @property
+    def fitted(self) -> FittedPreprocessor:
+        return self.plan.fitted
+
+    def describe(self) -> str:
+        return (f"[data] rank {self.rank}/{self.world_size} ({self.launcher}): {len(self.train):,} training + "
+                f"{len(self.val):,} validation rows, {100.0 * self.rows_local / max(1, len(self.train) + len(self.val)):.0f}% "
+                f"transformed on this node, in {self.read_s:.1f}s; rows {self.where}; {len(self.loader)} steps/epoch")
+
+
+def rank_data(plan: IngestPlan, *, batch_size: int | None = None, seed: int | None = None,
+              shuffle: bool | None = None, drop_last: bool | None = None, device=None, rank: int | None = None,
+              world_size: int | None = None) -> RankData:
+    """This rank's training and validation rows and a loader over its training rows.
+
+    Rank and world size come from Ray Train, torch.distributed or $RANK/$WORLD_SIZE (or pass them);
+    under Ray Train the rows arrive through the DataConfig of `plan.trainer_kwargs()`, elsewhere this
+    process reads its pieces with pyarrow. batch_size, seed, shuffle and drop_last default to the
+    plan's config (train.*); device to Ray Train's device, else cuda:$LOCAL_RANK when CUDA is there,
+    else the CPU. Every rank runs the same number of steps per epoch (the plan knows every rank's size)."""
+    import torch
+
+    from .dataset import Layout, TabularDataset
+    from .loader import DeviceLoader
+    from .sampler import BatchSampler
+
+    launcher, r, w = rank_context()
+    r = r if rank is None else rank
+    w = w if world_size is None else world_size
+    if w != plan.world_size or not 0 <= r < w:
+        raise PipelineError(f"this process is rank {r} of {w} ({launcher}) but the ingest plan was made for "
+                            f"world_size={plan.world_size}; call pipeline.prepare(..., world_size={w}) so every rank "
+                            f"gets a share")
+    cfg, f = plan.config, plan.fitted
+    t = cfg.train
+    batch_size, seed = batch_size or t.batch_size, t.seed if seed is None else seed
+    drop_last = t.drop_last if drop_last is None else drop_last
+    shuffle = t.shuffle != "none" if shuffle is None else shuffle
+    if launcher == "ray":
+        import ray.train
+
+        from . import ray_side
+
+        train_parts, val_parts, local, secs = ray_side.receive(ray.train.get_dataset_shard(ray_side.DATASET))
+        ranks_on_node = ray.train.get_context().get_local_world_size()
+    else:
+        from . import local_side
+
+        train_parts, val_parts, local, secs = local_side.read_share(plan, r)
+        ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    layout = Layout(f.num_features, len(f.categorical), len(f.targets), 1 if f.weight else 0)
+    planned = (plan.train_rows if plan.global_shuffle else plan.train_sizes[r], plan.val_sizes[r])
+    got = (sum(len(p[1]) for p in train_parts), sum(len(p[1]) for p in val_parts))
+    if got != planned:
+        raise DataError(f"rank {r} received {got[0]:,} training and {got[1]:,} validation rows but its planned share is "
+                        f"{planned[0]:,} and {planned[1]:,}; was data.path modified during the run?")
+    spill_dir, where = spill_dir_for(cfg, sum(got), layout.width, ranks_on_node)
+    train = TabularDataset.from_parts(train_parts, layout, spill_dir=spill_dir)
+    del train_parts
+    val = TabularDataset.from_parts(val_parts, layout, spill_dir=spill_dir)
+    sizes = plan.train_sizes
+    sampler = BatchSampler(sizes[r], batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=r,
+                           rank_sizes=sizes, global_rows=plan.train_rows if plan.global_shuffle else None)
+    device = torch.device(device) if device is not None else _default_device(launcher)
+    loader = DeviceLoader(train, sampler, device, placement=cfg.loader.placement, prefetch=cfg.loader.prefetch,
+                          device_memory_fraction=cfg.loader.device_memory_fraction,
+                          chunk_bytes=int(cfg.loader.chunk_mib * 2**20))
+    return RankData(plan, r, w, launcher, device, train, val, loader, local, secs, where)

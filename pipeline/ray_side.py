@@ -1,0 +1,151 @@
+"""The Ray parts behind `pipeline.ingest`: the distributed fit pass, each rank's read-and-transform
+tasks, and the Ray Train `DataConfig` that hands every rank its share.
+
+The per-fragment work itself is in tasks.py and is the same without Ray (local_side.py).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from . import tasks
+from .errors import DataError
+
+DATASET = "pipeline"  # the name under which the plan's rows reach Ray Train workers
+
+
+def _items(objs: list) -> Any:
+    import ray
+
+    ds = ray.data.from_items([{"blob": pickle.dumps(o)} for o in objs], override_num_blocks=max(1, len(objs)))
+    # Records in item order: the float64 merge of partial statistics is then the same every run.
+    ds.context.execution_options.preserve_order = True
+    return ds
+
+
+def _objs(batch: pa.Table):
+    for blob in batch.column("blob").to_pylist():
+        yield pickle.loads(blob)
+
+
+def fit_records(source, spec: tasks.ReadSpec) -> list[tuple]:
+    """tasks.fit_fragment over every fragment, one Ray Data task per fragment, in fragment order."""
+
+    def fit_batch(batch: pa.Table) -> dict[str, np.ndarray]:
+        return {"record": np.array([pickle.dumps(tasks.fit_fragment(spec, f)) for f in _objs(batch)], dtype=object)}
+
+    rows = _items(list(source.fragments)).map_batches(fit_batch, batch_format="pyarrow", batch_size=1).take_all()
+    return [pickle.loads(r["record"]) for r in rows]
+
+
+def share_dataset(spec: tasks.ReadSpec, fitted, pieces: list, node_id: str | None = None, node_cpus: int = 1):
+    """Lazy Ray Dataset of the packed rows of `pieces`, in order: rows [k, width] float32, row_id, val
+    (the piece is validation rows), local (the task ran on node_id).
+
+    With node_id, the read-and-transform tasks prefer that node, up to `node_cpus` at a time (the CPUs
+    it has beside its training workers), so their output lands in the object store of the node that
+    trains on it and the rank reads its rows without crossing the network. A task the node cannot
+    take at once (busy, or gone) runs elsewhere rather than waiting."""
+    import ray
+
+    def read_transform(batch: pa.Table) -> dict[str, np.ndarray]:
+        here = node_id is not None and ray.get_runtime_context().get_node_id() == node_id
+        parts, vals = [], []
+        for p in _objs(batch):
+            parts.append(tasks.transform_piece(spec, fitted, p))
+            vals.append(np.full(len(parts[-1][1]), p.val))
+        out = tasks.concat(parts, fitted)
+        out["val"] = np.concatenate(vals) if vals else np.empty(0, bool)
+        out["local"] = np.full(len(out["row_id"]), here)
+        return out
+
+    ds = _items(pieces)
+    if node_id is None:
+        return ds.map_batches(read_transform, batch_format="pyarrow", batch_size=1)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # soft=True alone makes a task wait for the node however long it stays busy (a training worker may
+    # hold its last CPU); _spill_on_unavailable (the flag Ray Serve uses for the same purpose) lets
+    # such a task run elsewhere. Passed as a raw remote arg (deprecated in Ray Data 2.60 in favour of
+    # label selectors, which cannot express this fallback); keep that warning out of the job's output.
+    affinity = NodeAffinitySchedulingStrategy(node_id=node_id, soft=True, _spill_on_unavailable=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+        return ds.map_batches(read_transform, batch_format="pyarrow", batch_size=1,
+                              compute=ray.data.TaskPoolStrategy(size=max(1, node_cpus)), scheduling_strategy=affinity)
+
+
+def _spare_cpus(worker_node_ids, cpus_per_worker: float) -> dict[str, int]:
+    """CPUs each training node has beside the training workers placed on it (totals from the GCS)."""
+    import ray
+
+    if not worker_node_ids:
+        return {}
+    totals = {n["NodeID"]: n.get("Resources", {}).get("CPU", 0) for n in ray.nodes() if n.get("Alive")}
+    return {node: int(totals.get(node, 0) - cpus_per_worker * worker_node_ids.count(node)) for node in set(worker_node_ids)}
+
+
+def data_config(plan, base=None, cpus_per_worker: float = 1.0):
+    """A Ray Train DataConfig: each rank gets its planned share (see plan.py: a pure function of the
+    data and the world size, so which rows a rank owns is reproducible) under the name DATASET, read
+    and transformed by Ray Data tasks pinned to the node that rank runs on; every other dataset the
+    user passed is handled by `base` (a DataConfig; default: Ray Train's, which splits them).
+
+    Ray's own streaming_split is locality-aware too, but which rows it hands a rank depends on where
+    blocks happen to be, which would make the order irreproducible."""
+    from ray.train import DataConfig
+
+    class ShareSplit(DataConfig):
+        def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+            if world_size != plan.world_size:
+                raise DataError(f"the ingest plan was made for world_size={plan.world_size} but Ray Train started "
+                                f"{world_size} workers; call pipeline.prepare(..., world_size={world_size}) or set "
+                                f"ScalingConfig(num_workers={plan.world_size})")
+            others = {k: v for k, v in datasets.items() if k != DATASET}
+            out = (base or DataConfig()).configure(others, world_size, worker_handles, worker_node_ids, **kwargs) \
+                if others else [{} for _ in range(world_size)]
+            spare = _spare_cpus(worker_node_ids, cpus_per_worker)
+            for r in range(world_size):
+                node = worker_node_ids[r] if worker_node_ids else None
+                # A node with no CPU beside its training workers cannot transform anything: no affinity.
+                cpus = spare.get(node, 0) // max(1, worker_node_ids.count(node)) if node else 0
+                part = share_dataset(plan.spec, plan.fitted, plan.pieces(r), node_id=node if cpus >= 1 else None,
+                                     node_cpus=cpus)
+                part.context.enable_progress_bars = False  # a worker's read of its share takes seconds
+                out[r][DATASET] = part.iterator()
+            return out
+
+    return ShareSplit()
+
+
+def placeholder():
+    """What TorchTrainer is given under DATASET: ShareSplit replaces it by each rank's share. Ray
+    Train skips DataConfig.configure when no dataset is passed, so one must be there; it never runs."""
+    import ray
+
+    return ray.data.from_items([{"placeholder": 0}])
+
+
+def receive(iterator) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[tuple[np.ndarray, np.ndarray]], int, float]:
+    """This rank's blocks from its DataIterator, split into (training, validation) lists of
+    (packed rows, row ids), plus how many rows were transformed on this node and the seconds taken."""
+    t0 = time.perf_counter()
+    train, val, local = [], [], 0
+    for b in iterator.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2):
+        if not len(b["row_id"]):
+            continue
+        local += int(b["local"].sum())
+        is_val = b["val"]
+        for want, dest in ((False, train), (True, val)):
+            sel = is_val == want
+            if sel.all():
+                dest.append((b["rows"], b["row_id"]))
+            elif sel.any():
+                dest.append((b["rows"][sel], b["row_id"][sel]))
+    return train, val, local, time.perf_counter() - t0

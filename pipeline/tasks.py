@@ -1,0 +1,124 @@
+"""What one task does to one fragment: the same functions run inside Ray Data tasks (ray_side) and
+in a plain process (local_side), so both paths give the same statistics, rows and accounting.
+
+No Ray and no torch here: pyarrow and numpy on one row group at a time.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .columns import Columns
+from .errors import DataError
+from .plan import Piece, holdout_mask
+from .preprocess import FittedPreprocessor, PartialStats, partial_stats
+from .quality import Accounting, screen
+from .source import Fragment, Source, read_fragment
+
+ROW_ID = "__row_id"
+
+
+@dataclass(frozen=True)
+class ReadSpec:
+    """Everything a task needs besides its fragment: where, which columns, which policies, the hold-out."""
+
+    uri: str
+    columns: Columns
+    on_bad_file: str = "fail"
+    on_bad_value: str = "fill"
+    val_fraction: float = 0.0
+    val_seed: int = 0
+
+
+def read(spec: ReadSpec, frag: Fragment) -> pa.Table | dict:
+    """The fragment's rows with their global row ids, or (on_bad_file = quarantine) a manifest entry
+    saying why not."""
+    try:
+        table = read_fragment(spec.uri, frag, spec.columns.read)
+    except (OSError, pa.ArrowException) as e:
+        rows = f"rows {frag.file_row_start}-{frag.file_row_start + frag.num_rows - 1}"
+        if spec.on_bad_file == "fail":
+            raise DataError(f"cannot decode row group {frag.row_group} ({rows}) of '{frag.path}': {e}. The file is "
+                            f"damaged behind a readable footer: rewrite it, or set quality.on_bad_file = "
+                            f"\"quarantine\" to set damaged row groups aside") from None
+        return {"file": frag.path, "row_group": frag.row_group, "row_start": frag.file_row_start,
+                "rows": frag.num_rows, "reason": f"cannot decode row group ({type(e).__name__}: {e})"}
+    return table.append_column(ROW_ID, pa.array(np.arange(frag.row_start, frag.row_start + frag.num_rows)))
+
+
+def _kept(spec: ReadSpec, frag: Fragment, fitted=None) -> tuple[pa.Table | None, Counter, dict | None]:
+    table = read(spec, frag)
+    if isinstance(table, dict):
+        return None, Counter(), table
+    kept, dropped = screen(table, frag, spec.columns, spec.on_bad_value, fitted)
+    return kept, dropped, None
+
+
+def _is_val(spec: ReadSpec, kept: pa.Table) -> np.ndarray:
+    return holdout_mask(kept[ROW_ID].to_numpy(), spec.val_fraction, spec.val_seed)
+
+
+def fit_fragment(spec: ReadSpec, frag: Fragment) -> tuple:
+    """(row_start, rows, partial statistics or None, dropped counts, quarantine entry or None,
+    (training rows, validation rows)); or (row_start, message) when the run must stop. Statistics
+    are of the training rows only, so validation rows never leak into the fit."""
+    try:
+        kept, dropped, quarantine = _kept(spec, frag)
+        if kept is None:
+            return frag.row_start, frag.num_rows, None, dropped, quarantine, (0, 0)
+        val = _is_val(spec, kept)
+        n_val = int(val.sum())
+        train = kept.filter(pa.array(~val)) if n_val else kept
+        return frag.row_start, frag.num_rows, partial_stats(train, spec.columns), dropped, None, (train.num_rows, n_val)
+    except DataError as e:
+        # Returned, not raised: Ray would wrap it in layers of task errors and print a traceback.
+        return frag.row_start, str(e)
+
+
+def merge_fit(records: list[tuple], source: Source) -> tuple[PartialStats, Accounting]:
+    """Merge fit_fragment's records in fragment order (the float64 merge is then the same every run)."""
+    errors = sorted(r for r in records if len(r) == 2)
+    if errors:
+        raise DataError(errors[0][1])
+    total, acct = PartialStats(), Accounting()
+    acct.add_bad_files(source.bad_files)
+    for row_start, n, part, dropped, quarantine, used in sorted(records, key=lambda r: r[0]):
+        acct.merge_fragment(row_start, n, used, dropped, quarantine)
+        if part is not None:
+            total = total.merge(part)
+    acct.quarantined.sort(key=lambda e: (e["file"], e["row_group"] if e["row_group"] is not None else -1))
+    return total, acct
+
+
+def transform_piece(spec: ReadSpec, fitted: FittedPreprocessor, piece: Piece) -> tuple[np.ndarray, np.ndarray]:
+    """(packed float32 rows [k, fitted.width], global row ids [k]) of one piece, written straight into
+    the training layout."""
+    f = piece.fragment
+    kept, _, quarantine = _kept(spec, f)
+    if kept is None:  # readable during fit, not now: the data changed under the run
+        raise DataError(f"'{f.path}' row group {f.row_group} could be read during fit but not now "
+                        f"({quarantine['reason']}); do not modify data.path while a run is in progress")
+    val = _is_val(spec, kept)
+    kept = kept.filter(pa.array(val if piece.val else ~val))
+    if kept.num_rows < piece.hi:
+        raise DataError(f"'{f.path}' row group {f.row_group} yields {kept.num_rows:,} usable rows now but "
+                        f"{piece.hi:,} or more during fit; do not modify data.path while a run is in progress")
+    kept = kept.slice(piece.lo, piece.rows)
+    return fitted.pack(kept), kept[ROW_ID].to_numpy()
+
+
+def empty_block(fitted: FittedPreprocessor) -> tuple[np.ndarray, np.ndarray]:
+    return np.empty((0, fitted.width), np.float32), np.empty(0, np.int64)
+
+
+def concat(parts: list[tuple[np.ndarray, np.ndarray]], fitted: FittedPreprocessor) -> dict[str, Any]:
+    if not parts:
+        rows, ids = empty_block(fitted)
+    else:
+        rows, ids = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    return {"rows": rows, "row_id": ids}
