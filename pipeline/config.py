@@ -78,7 +78,7 @@ class PreprocessSection(_Section):
     vocab_max_size: int = Field(1000, ge=1, description="most frequent values kept per categorical column")
     vocab_min_count: int = Field(1, ge=1, description="values seen fewer times map to the unknown id")
     missing_indicator: bool = Field(True, description="add a 0/1 column per numeric feature that had nulls")
-    standardize_target: bool = Field(False, description="regression targets: train on (y - mean) / std; "
+    standardize_target: bool = Field(True, description="regression targets: train on (y - mean) / std; "
                                                         "FittedPreprocessor.inverse_target undoes it")
 
 

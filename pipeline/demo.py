@@ -1,11 +1,17 @@
-"""The embedded demo dataset: Parquet shards with numeric and categorical columns, nulls, and a
-binary label with learnable signal (a known logistic model plus an interaction and per-category
-effects), so that a trained model beats the majority-class baseline by a clear margin."""
+"""The embedded demo dataset: Parquet shards with numeric and categorical columns, nulls, and three
+targets with learnable signal, so that a trained model beats its baseline by a clear margin:
+
+- `label`: binary (int8 0/1), a known logistic model plus an interaction and per-category effects;
+- `segment`: multiclass (4 strings), the arg-max of noisy linear scores;
+- `spend`: regression (float64, about 1% null: such rows are dropped, never filled), a non-linear
+  function of a few features and the plan, plus noise.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
@@ -13,6 +19,8 @@ from . import storage
 from .config import DEMO_CATEGORICAL, DEMO_NUMERIC
 
 _CARDINALITY = {"city": 200, "device": 5, "plan": 4, "channel": 30}
+_VERSION = "pipeline-demo/2"  # the marker holds it: a dataset from another version is written anew
+SEGMENTS = ("bronze", "silver", "gold", "platinum")
 _NULL_SHARE = 0.03  # in every other numeric column and in 'city' and 'channel'
 
 
@@ -43,7 +51,15 @@ def _shard(rows: int, seed: int, shard: int) -> pa.Table:
 
     label = (rng.random(rows) < 1.0 / (1.0 + np.exp(-logit))).astype(np.int8)
     cols["label"] = pa.array(label)
-    order = [*DEMO_NUMERIC, *DEMO_CATEGORICAL, "label"]
+    # Drawn after everything above, so the older columns stay exactly as they were.
+    w_seg = np.random.default_rng([seed, 20_000]).normal(0.0, 1.0, size=(len(DEMO_NUMERIC), len(SEGMENTS)))
+    scores = x @ w_seg + rng.gumbel(0.0, 0.7, size=(rows, len(SEGMENTS)))
+    cols["segment"] = pa.array(np.array(SEGMENTS, dtype=object)[scores.argmax(1)], type=pa.string())
+    plan_ids = pa.compute.index_in(cols["plan"], value_set=pa.array([f"plan_{i:03d}" for i in range(4)])).to_numpy()
+    spend = 50.0 + 12.0 * x[:, 0] - 6.0 * x[:, 2] + 8.0 * np.sin(2.0 * x[:, 3]) + 15.0 * plan_ids \
+        + rng.normal(0.0, 5.0, rows)
+    cols["spend"] = pa.array(spend, type=pa.float64(), mask=rng.random(rows) < 0.01)
+    order = [*DEMO_NUMERIC, *DEMO_CATEGORICAL, "label", "segment", "spend"]
     return pa.table({k: cols[k] for k in order})
 
 
@@ -55,8 +71,13 @@ def generate(uri: str, rows: int, shards: int, seed: int = 0, overwrite: bool = 
     """
     fs, root = storage.filesystem(uri)
     marker = f"{root}/_SUCCESS"
+    stamp = f"{_VERSION} rows={rows} shards={shards} seed={seed}\n".encode()
     if not overwrite and storage.exists(fs, marker):
-        return sorted(p for p in storage.list_files(fs, root) if p.endswith(".parquet"))
+        with fs.open_input_stream(marker) as f:
+            if f.read() == stamp:  # complete, and written by this generator with these settings
+                return sorted(p for p in storage.list_files(fs, root) if p.endswith(".parquet"))
+        for p in storage.list_files(fs, root):  # an older demo (or other settings): write it anew
+            fs.delete_file(p)
     fs.create_dir(root, recursive=True)
     bounds = np.linspace(0, rows, shards + 1).astype(np.int64)
     paths = []
@@ -69,5 +90,5 @@ def generate(uri: str, rows: int, shards: int, seed: int = 0, overwrite: bool = 
         fs.move(tmp, final)
         paths.append(final)
     with fs.open_output_stream(marker) as out:
-        out.write(b"")
+        out.write(stamp)
     return paths
