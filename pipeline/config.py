@@ -168,9 +168,12 @@ class Config(_Section):
             roles[d.weight] = "data.weight"
         for kind in ("numeric", "categorical"):
             for col in getattr(d, kind):
+                if roles.get(col, "").startswith(("data.numeric", "data.categorical")):
+                    where = roles[col] + ("" if roles[col] == f"data.{kind}" else f" and data.{kind}")
+                    raise ValueError(f"column '{col}' is listed twice in {where}; list each column once")
                 if col in roles:
-                    raise ValueError(f"column '{col}' is listed in {roles[col]} and in data.{kind}; list each column "
-                                     f"in one place (remove it from data.{kind})")
+                    raise ValueError(f"column '{col}' is {roles[col]} and also listed in data.{kind}; a target or "
+                                     f"weight is never a feature: remove it from data.{kind}")
                 roles[col] = f"data.{kind}"
         return self
 

@@ -35,6 +35,8 @@ def demo_dir(tmp_path_factory) -> str:
 
 
 def make_config(data_path: str, **overrides):
+    """A config for a demo-like dataset: its feature columns and binary label unless overridden."""
+    from helpers import demo_columns
     from pipeline import config
 
-    return config.load(None, {"data.path": data_path, **overrides})
+    return config.load(None, {"data.path": data_path, **demo_columns(), **overrides})

@@ -15,6 +15,13 @@ def numbered_dataset(n: int, features: int = 3, cats: int = 2, first_id: int = 0
                                      np.repeat(ids[:, None], cats, 1), ids.astype(np.float32), ids)
 
 
+def demo_columns() -> dict:
+    """The demo dataset's feature columns as config overrides (its other targets are not features)."""
+    from pipeline.config import DEMO_CATEGORICAL, DEMO_NUMERIC
+
+    return {"data.numeric": list(DEMO_NUMERIC), "data.categorical": list(DEMO_CATEGORICAL)}
+
+
 def rows_of(batch) -> list[int]:
     """The row numbers in a batch of a numbered dataset, after checking every column agrees."""
     r = batch.y.long()
@@ -29,19 +36,18 @@ def contiguous_sizes(n: int, world: int) -> list[int]:
     return [bounds[r + 1] - bounds[r] for r in range(world)]
 
 
-def expected_batches(n: int, world: int, batch: int, epochs: int, seed: int = 0, val_fraction: float = 0.1):
+def expected_batches(n: int, world: int, batch: int, epochs: int, seed: int = 0, val_fraction: float = 0.1,
+                     val_seed: int = 0):
     """An uninterrupted run's batches, computed without Ray: {(rank, epoch, step): row ids}, the
-    ranks' training-row counts and the steps per epoch. Rank r owns the contiguous global rows
-    [r*n/world, (r+1)*n/world) (the demo data has no row the quality screen drops), minus the
-    validation hold-out."""
+    ranks' training-row counts and the steps per epoch. The demo data has no row the quality screen
+    drops, so the training rows are the row ids the hold-out keeps, and rank r owns positions
+    [r*N/world, (r+1)*N/world) of them."""
+    from pipeline.plan import holdout_mask, rank_bounds
     from pipeline.sampler import BatchSampler
 
-    trains = []
-    for r in range(world):
-        ids = np.arange(n * r // world, n * (r + 1) // world, dtype=np.int64)
-        ds = TabularDataset.from_numpy(np.zeros((len(ids), 1), np.float32), np.zeros((len(ids), 0), np.int64),
-                                       np.zeros(len(ids), np.float32), ids)
-        trains.append(ds.split_holdout(val_fraction, seed)[0])
+    ids = np.arange(n, dtype=np.int64)
+    train_ids = ids[~holdout_mask(ids, val_fraction, val_seed)]
+    trains = [train_ids[slice(*rank_bounds(len(train_ids), world, r))] for r in range(world)]
     sizes = [len(t) for t in trains]
     out = {}
     for r, t in enumerate(trains):
@@ -49,5 +55,5 @@ def expected_batches(n: int, world: int, batch: int, epochs: int, seed: int = 0,
         for e in range(epochs):
             s.set_epoch(e)
             for k, idx in enumerate(s, 1):
-                out[(r, e, k)] = t.row_id[idx].numpy()
+                out[(r, e, k)] = t[idx.numpy()]
     return out, sizes, s.steps

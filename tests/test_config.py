@@ -29,8 +29,11 @@ def test_flag_values_are_toml(text):
     ("[train]\nbatch_size = 0\n", ["train.batch_size", "greater than or equal to 1"]),
     ("[data]\nnumeric = ['a', 'a']\ncategorical = []\n", ["column 'a' is listed twice in data.numeric"]),
     ("[data]\nnumeric = ['a']\ncategorical = ['a']\n", ["column 'a' is listed twice in data.numeric and data.categorical"]),
-    ("[data]\nlabel = ''\n", ["data.label is empty"]),
-    ("[data]\nnumeric = ['label']\n", ["'label' is the label and also listed in data.numeric"]),
+    ("[data]\nlabel = ['y', 'y']\n", ["data.label lists a column twice"]),
+    ("[data]\nnumeric = ['label']\n", ["'label' is data.label and also listed in data.numeric"]),
+    ("[data]\nweight = 'w'\ncategorical = ['w']\n", ["'w' is data.weight and also listed in data.categorical"]),
+    ("[data]\ntarget_kind = 'ordinal'\n", ["data.target_kind", "'ordinal'"]),
+    ("[data]\ntarget_kind = {other = 'binary'}\n", ["names ['other'], which are not targets"]),
     ("[train]\nuse_gpu = 'yes'\n", ["train.use_gpu", "'auto', 'true' or 'false'"]),
     ("[train\n", ["not valid TOML"]),
 ])

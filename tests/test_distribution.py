@@ -10,11 +10,10 @@ import torch
 
 from conftest import make_config
 from helpers import numbered_dataset, rows_of
-from pipeline import preprocess, source
 from pipeline.demo import _shard
 from pipeline.loader import DeviceLoader
+from pipeline.plan import plan_shares, rank_bounds, rank_sizes
 from pipeline.sampler import BatchSampler
-from pipeline.train import make_data_config, rank_bounds, rank_sizes
 
 LAYOUTS = {
     "fewer_files_than_ranks": [700],
@@ -36,28 +35,37 @@ def layouts(tmp_path_factory):
     return out
 
 
-_FITTED = {}
+_PLANS = {}
 
 
-def shares_through_ray(path, world, whole=False):
-    """Row ids each rank receives from the real Ray Train split (DataConfig.configure) of the real data,
-    each rank's tasks pinned to this (the only) node; checks every row was transformed there."""
+def shares_through_ray(path, world, whole=False, val_fraction=0.0):
+    """(training row ids, validation row ids) each rank receives from the real Ray Train split
+    (DataConfig.configure) of the real data, each rank's tasks pinned to this (the only) node; checks
+    every row was transformed there, and that a process reading its share without Ray gets the same."""
     import ray
 
-    if path not in _FITTED:
-        cfg = make_config(path)
-        src = source.inspect(cfg)
-        _FITTED[path] = (cfg, src, *preprocess.fit(src, cfg))
-    cfg, src, fitted, acct = _FITTED[path]
-    plan = preprocess.plan_shares(src, acct, world, whole=whole)
+    import pipeline
+    from pipeline import local_side, ray_side
+
+    key = (path, world, whole, val_fraction)
+    if key not in _PLANS:
+        _PLANS[key] = pipeline.prepare(config=make_config(path, **{"data.val_fraction": val_fraction,
+                                                                   "train.shuffle": "global" if whole else "local"}),
+                                       world_size=world)
+    plan = _PLANS[key]
     node = ray.get_runtime_context().get_node_id()
-    its = make_data_config(src, fitted, cfg, plan, cpus_per_worker=0).configure({}, world, None, [node] * world)
+    its = ray_side.data_config(plan, cpus_per_worker=0).configure({}, world, None, [node] * world)
     out = []
-    for it in its:
-        blocks = list(it["train"].iter_batches(batch_size=None, batch_format="numpy"))
-        assert all(b["local"].all() for b in blocks)  # transformed on the rank's node
-        out.append(np.concatenate([b["row_id"] for b in blocks]))
-    return out, src.num_rows
+    for r, it in enumerate(its):
+        train, val, local, _ = ray_side.receive(it[ray_side.DATASET])
+        assert local == sum(len(p[1]) for p in train + val)  # transformed on the rank's node
+        ids = [np.concatenate([p[1] for p in parts]) if parts else np.empty(0, np.int64) for parts in (train, val)]
+        l_train, l_val, _, _ = local_side.read_share(plan, r)
+        for parts, ray_ids in zip((l_train, l_val), ids):  # the same rows, the same packed values, without Ray
+            assert np.array_equal(np.concatenate([p[1] for p in parts]) if parts else np.empty(0), ray_ids)
+        np.testing.assert_array_equal(np.concatenate([p[0] for p in train]), np.concatenate([p[0] for p in l_train]))
+        out.append(ids)
+    return out, plan.source.num_rows
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
@@ -65,8 +73,6 @@ def shares_through_ray(path, world, whole=False):
 def test_plan_shares_cuts_usable_rows_into_contiguous_ranges(world, whole):
     """Over fragments yielding varied numbers of usable rows (some none, after drops or quarantine),
     rank r's pieces are exactly positions [r*N/W, (r+1)*N/W) of the usable rows, in order."""
-    from types import SimpleNamespace
-
     from pipeline.source import Fragment
 
     rng = np.random.default_rng(world)
@@ -76,8 +82,7 @@ def test_plan_shares_cuts_usable_rows_into_contiguous_ranges(world, whole):
         frags.append(Fragment(f"f{i}", 0, start, rows))
         used[start] = int(rng.integers(0, rows + 1)) if rng.random() > 0.2 else 0
         start += rows
-    plan = preprocess.plan_shares(SimpleNamespace(fragments=frags), SimpleNamespace(used_by_fragment=used), world,
-                                  whole=whole)
+    plan = plan_shares(frags, used, world, whole=whole)
     positions = []  # (fragment index, position among its usable rows) in global order
     for i, f in enumerate(frags):
         positions += [(i, k) for k in range(used[f.row_start])]
@@ -95,6 +100,7 @@ def test_plan_shares_cuts_usable_rows_into_contiguous_ranges(world, whole):
 def test_ranks_get_disjoint_equal_shares_covering_every_row(ray_local, layouts, layout):
     for world in (1, 2, 3, 4):
         shares, n = shares_through_ray(layouts[layout], world)
+        shares = [train for train, _ in shares]
         sizes = [len(s) for s in shares]
         assert max(sizes) - min(sizes) <= 1, (layout, world, sizes)
         assert sorted(np.concatenate(shares).tolist()) == list(range(n))  # disjoint, union = all
@@ -113,8 +119,24 @@ def test_ranks_get_disjoint_equal_shares_covering_every_row(ray_local, layouts, 
 
 @pytest.mark.ray
 def test_global_mode_gives_every_rank_all_rows(ray_local, layouts):
-    shares, n = shares_through_ray(layouts["even"], 3, whole=True)
-    assert all(sorted(s.tolist()) == list(range(n)) for s in shares)
+    shares, n = shares_through_ray(layouts["even"], 3, whole=True, val_fraction=0.2)
+    assert all(sorted(train.tolist()) == sorted(shares[0][0].tolist()) for train, _ in shares)
+    vals = [val for _, val in shares]  # validation rows are still split, disjoint
+    assert max(map(len, vals)) - min(map(len, vals)) <= 1
+    assert sorted(np.concatenate([shares[0][0], *vals]).tolist()) == list(range(n))
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("world", [1, 3])
+def test_validation_hold_out_is_split_evenly_and_disjoint(ray_local, layouts, world):
+    shares, n = shares_through_ray(layouts["one_huge_many_tiny"], world, val_fraction=0.25)
+    train = [t for t, _ in shares]
+    val = [v for _, v in shares]
+    for part in (train, val):
+        assert max(map(len, part)) - min(map(len, part)) <= 1
+    everything = np.concatenate(train + val)
+    assert sorted(everything.tolist()) == list(range(n))
+    assert 0.2 < sum(map(len, val)) / n < 0.3
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -8,60 +8,74 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+import pandas as pd
+
+import pipeline
 from conftest import make_config
-from pipeline import preprocess, source, storage, train
-from pipeline.preprocess import FittedPreprocessor, PartialStats, partial_stats
+from pipeline import storage, train
+from pipeline.dataset import TabularDataset
+from pipeline.plan import holdout_mask
+from pipeline.preprocess import FittedPreprocessor
 
 pytestmark = pytest.mark.ray
 
 
-def local_fit(cfg, paths):
-    total = PartialStats()
-    for p in paths:
-        total = total.merge(partial_stats(pq.read_table(p), list(cfg.data.numeric), list(cfg.data.categorical), "label"))
-    pp = cfg.preprocess
-    return FittedPreprocessor.from_stats(total, cfg.data.numeric, cfg.data.categorical, "label",
-                                         max_size=pp.vocab_max_size, min_count=pp.vocab_min_count,
-                                         missing_indicator=pp.missing_indicator)
-
-
 def test_distributed_fit_equals_single_process_fit(ray_local, demo_dir):
     cfg = make_config(demo_dir)
-    src = source.inspect(cfg)
-    assert src.num_rows == 24_000 and len(src.shards) == 4
-    dist, acct = preprocess.fit(src, cfg)
+    on_ray = pipeline.prepare(config=cfg, use_ray=True, world_size=2)
+    here = pipeline.prepare(config=cfg, use_ray=False, world_size=2)
+    assert on_ray.source.num_rows == 24_000 and len(on_ray.source.shards) == 4
+    acct = on_ray.accounting
     assert acct.balanced and acct.rows_used == 24_000 and not acct.quarantined
-    ref = local_fit(cfg, [s.path for s in src.shards])
-    np.testing.assert_allclose(dist.mean, ref.mean, rtol=1e-12)
-    np.testing.assert_allclose(dist.std, ref.std, rtol=1e-10)
-    assert dist.vocab == ref.vocab and dist.indicators == ref.indicators
-    assert dist.stats["rows"] == 24_000
+    assert on_ray.fitted == here.fitted  # bit-identical: the same partials, merged in the same order
+    assert on_ray.train_shares == here.train_shares and on_ray.val_shares == here.val_shares
+    # Against pandas over the training rows (the hold-out never leaks into the statistics).
+    df = pd.concat([pq.read_table(s.path).to_pandas() for s in on_ray.source.shards], ignore_index=True)
+    train = df[~holdout_mask(np.arange(len(df)), cfg.data.val_fraction, cfg.data.val_seed)]
+    f = on_ray.fitted
+    np.testing.assert_allclose(f.mean[:len(f.numeric)], train[list(f.numeric)].mean().to_numpy(), rtol=1e-10)
+    np.testing.assert_allclose(f.std[:len(f.numeric)], train[list(f.numeric)].std(ddof=0).to_numpy(), rtol=1e-8)
+    assert f.stats["rows"] == len(train)
 
 
 def test_training_path_arrays_equal_serving_path(ray_local, demo_dir, tmp_path):
-    cfg = make_config(demo_dir)
-    src = source.inspect(cfg)
-    fitted, acct = preprocess.fit(src, cfg)
-    fitted.save(str(tmp_path / "p.json"))
-    rows = preprocess.transform_dataset(src, fitted, cfg, acct).take_all()
-    assert sorted(r["row_id"] for r in rows) == list(range(src.num_rows))  # every row once
-    rows.sort(key=lambda r: r["row_id"])
-    served = FittedPreprocessor.load(str(tmp_path / "p.json")).transform(
-        pq.read_table([s.path for s in src.shards][0]).to_pandas())
-    n0 = src.shards[0].num_rows
-    np.testing.assert_array_equal(np.stack([r["x_num"] for r in rows[:n0]]), served.x_num)
-    np.testing.assert_array_equal(np.stack([r["x_cat"] for r in rows[:n0]]), served.x_cat)
+    from pipeline import ray_side
+
+    plan = pipeline.prepare(config=make_config(demo_dir, **{"data.label": ["label", "segment", "spend"]}),
+                            world_size=1)
+    plan.fitted.save(str(tmp_path / "p.json"))
+    blocks = ray_side.share_dataset(plan.spec, plan.fitted, plan.pieces(0)).take_all()
+    rows = {int(b["row_id"]): b["rows"] for b in blocks}
+    assert len(rows) == plan.accounting.rows_used  # every usable row once
+    shard = plan.source.shards[0]
+    served = FittedPreprocessor.load(str(tmp_path / "p.json")).transform(pq.read_table(shard.path).to_pandas(),
+                                                                        with_target=False)
+    ids = [i for i in range(shard.num_rows) if i in rows]
+    packed = torch.from_numpy(np.stack([rows[i] for i in ids]))
+    batch = TabularDataset(packed, (plan.fitted.num_features, 4, 3, 0)).get_batch(torch.arange(len(ids)))
+    np.testing.assert_array_equal(batch.x_num.numpy(), served.x_num[ids])
+    np.testing.assert_array_equal(batch.x_cat.numpy(), served.x_cat[ids])
 
 
 @pytest.mark.slow
-def test_whole_job_learns_and_saves_everything(ray_local, demo_dir, tmp_path):
+@pytest.mark.parametrize("label,kind", [("label", "binary"), ("segment", "multiclass"), ("spend", "regression")])
+def test_whole_job_learns_and_saves_everything(ray_local, demo_dir, tmp_path, label, kind):
+    """Only data.label changes between the three: the kind is detected, the head and loss follow it."""
     cfg = make_config(demo_dir, **{"run.output": str(tmp_path / "runs"), "train.epochs": 3, "train.batch_size": 256,
-                                   "train.num_workers": 2, "train.hidden": [64, 32]})
+                                   "train.num_workers": 2, "train.hidden": [64, 32], "data.label": label})
     summary = train.run(cfg)
+    assert summary["targets"][0]["kind"] == kind
     epochs = summary["epochs"]
     assert [e["epoch"] for e in epochs] == [1, 2, 3]
     assert epochs[-1]["train_loss"] < epochs[0]["train_loss"]
-    assert epochs[-1]["val_acc"] > epochs[-1]["baseline_acc"] + 0.05, epochs[-1]
+    last = epochs[-1]
+    if kind == "regression":  # RMSE in the target's units, well under predicting the mean
+        assert last["metric"] == "val_rmse" and last["val_rmse"] < 0.6 * last["baseline_rmse"], last
+        assert summary["accounting"]["dropped_by_reason"] == {"null or NaN target in 'spend'": 24_000 - summary["accounting"]["rows_used"]}
+        return
+    assert last["metric"] == "val_acc" and last["val_acc"] > last["baseline_acc"] + 0.05, last
+    if kind == "multiclass":
+        return
     for e in epochs:
         assert 0 <= e["data_wait_pct"] <= 100 and e["rows_per_s"] > 0
     # Row accounting: every training row is used once per epoch, apart from the reported remainder.

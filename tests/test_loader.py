@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from helpers import contiguous_sizes, numbered_dataset, rows_of
-from pipeline.dataset import Batch, TabularDataset, holdout_mask
+from pipeline.dataset import Batch, TabularDataset
+from pipeline.plan import holdout_mask
 from pipeline.errors import PipelineError
 from pipeline.loader import DeviceLoader
 from pipeline.sampler import BatchSampler
@@ -33,7 +34,7 @@ def test_batch_shapes_and_dtypes():
     np.testing.assert_array_equal(b.y.numpy(), y[:32].astype(np.float32))
     # The three parts are views of one gathered tensor: one gather, one copy to the device.
     assert b.x_num.untyped_storage().data_ptr() == b.y.untyped_storage().data_ptr()
-    assert all(t.is_contiguous() for t in b.contiguous())
+    assert b.w is None and all(t.is_contiguous() for t in b.contiguous()[:3])
 
 
 @pytest.mark.parametrize("n,batch", [(1, 1), (10, 3), (100, 10), (1000, 64), (4097, 256)])
@@ -123,8 +124,9 @@ def test_gather_into_preallocated_buffers_matches_plain_gather():
     into = ds.get_batch(idx, out=out)
     assert into.x_num.data_ptr() == out.data_ptr()
     assert rows_of(ds.get_batch(idx[:10], out=out)) == idx[:10].tolist()  # a short last batch
-    for a, b in zip(plain, into):
+    for a, b in zip(plain[:3], into[:3]):
         assert torch.equal(a, b)
+    assert plain.w is None and into.w is None
 
 
 def test_getitems_serves_torch_dataloader_whole_batches():
@@ -142,21 +144,19 @@ def test_holdout_split_is_independent_of_sharding():
     parts = np.concatenate([holdout_mask(p, 0.1, 0) for p in np.array_split(ids, 7)])
     np.testing.assert_array_equal(parts, mask)
     assert not np.array_equal(holdout_mask(ids, 0.1, 1), mask)
-    ds = numbered_dataset(1000)
-    train, val = ds.split_holdout(0.2, 0)
-    assert sorted(train.row_id.tolist() + val.row_id.tolist()) == list(range(1000))
 
 
-def test_from_batches_restores_row_order():
-    rng = np.random.default_rng(0)
-    blocks = []
-    for start in rng.permutation(np.arange(0, 100, 10)):
-        ids = np.arange(start, start + 10)
-        blocks.append({"row_id": ids, "x_num": ids[:, None].astype(np.float32), "x_cat": ids[:, None],
-                       "y": ids.astype(np.float32)})
-    ds = TabularDataset.from_blocks(blocks)
+def packed_parts(starts, k=10):
+    """Packed blocks of a numbered dataset (row i holds i in every slot), one per start."""
+    full = numbered_dataset(max(starts) + k)
+    return [(full.rows[s:s + k].numpy(), np.arange(s, s + k)) for s in starts], full.layout
+
+
+def test_from_parts_restores_row_order():
+    parts, layout = packed_parts(np.random.default_rng(0).permutation(np.arange(0, 100, 10)))
+    ds = TabularDataset.from_parts(parts, layout)
     assert ds.row_id.tolist() == list(range(100))
-    assert ds.x_num[:, 0].tolist() == list(range(100))
+    assert ds.x_num[:, 0].tolist() == list(range(100)) and rows_of(ds.get_batch(torch.arange(100))) == list(range(100))
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -232,11 +232,11 @@ def test_spilled_dataset_is_file_backed_and_serves_the_same_batches(tmp_path):
 
     from pipeline.dataset import alloc_rows
 
-    blocks = [{"x_num": numbered_dataset(500).x_num.numpy(), "x_cat": numbered_dataset(500).x_cat.numpy(),
-               "y": np.arange(500, dtype=np.float32), "row_id": np.arange(500)}]
-    mem = TabularDataset.from_blocks(blocks)
-    disk = TabularDataset.from_blocks(blocks, spill_dir=str(tmp_path))
-    train, val = disk.split_holdout(0.2, 0)
+    parts, layout = packed_parts(range(0, 500, 50), 50)
+    mem = TabularDataset.from_parts(parts, layout)
+    disk = TabularDataset.from_parts(parts, layout, spill_dir=str(tmp_path))
+    mask = torch.from_numpy(holdout_mask(np.arange(500), 0.2, 0))
+    train, val = disk.subset(~mask), disk.subset(mask)
 
     def mapped():
         with open("/proc/self/maps") as f:
@@ -245,7 +245,7 @@ def test_spilled_dataset_is_file_backed_and_serves_the_same_batches(tmp_path):
     assert mapped() and all("(deleted)" in ln for ln in mapped())  # mapped files, already unlinked
     assert not list(tmp_path.iterdir())  # nothing left on disk to clean up
     assert train.spill_dir == val.spill_dir == str(tmp_path)
-    for a, b in zip(mem.split_holdout(0.2, 0), (train, val)):
+    for a, b in zip((mem.subset(~mask), mem.subset(mask)), (train, val)):
         la = DeviceLoader(a, BatchSampler(len(a), 32, seed=1, drop_last=False))
         lb = DeviceLoader(b, BatchSampler(len(b), 32, seed=1, drop_last=False))
         assert [rows_of(x) for x in la] == [rows_of(x) for x in lb]

@@ -5,6 +5,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
+from pipeline.columns import Columns, Target
 from pipeline.preprocess import FittedPreprocessor, PartialStats, partial_stats
 
 NUM = ["a", "b", "const", "ints"]
@@ -28,12 +29,15 @@ def frame(n: int, seed: int) -> pd.DataFrame:
     })
 
 
-def fit_local(df: pd.DataFrame, chunks: int = 1, **kw) -> FittedPreprocessor:
+COLS = Columns(numeric=tuple(NUM), dims=(0,) * len(NUM), categorical=tuple(CAT), targets=(Target("label", "int", "auto"),))
+
+
+def fit_local(df: pd.DataFrame, chunks: int = 1, cols: Columns = COLS, **kw) -> FittedPreprocessor:
     total = PartialStats()
     for part in np.array_split(np.arange(len(df)), chunks):
-        total = total.merge(partial_stats(pa.Table.from_pandas(df.iloc[part], preserve_index=False), NUM, CAT, "label"))
+        total = total.merge(partial_stats(pa.Table.from_pandas(df.iloc[part], preserve_index=False), cols))
     opts = dict(max_size=100, min_count=1, missing_indicator=True) | kw
-    return FittedPreprocessor.from_stats(total, NUM, CAT, "label", **opts)
+    return FittedPreprocessor.from_stats(total, cols, **opts)
 
 
 def reference(df_fit: pd.DataFrame, df: pd.DataFrame, max_size=100, min_count=1):
@@ -78,7 +82,7 @@ def test_fit_is_independent_of_how_rows_are_split(chunks):
     one, many = fit_local(df, 1), fit_local(df, chunks)
     np.testing.assert_allclose(many.mean, one.mean, rtol=1e-12)
     np.testing.assert_allclose(many.std, one.std, rtol=1e-10)
-    assert many.vocab == one.vocab and many.stats["label_counts"] == one.stats["label_counts"]
+    assert many.vocab == one.vocab and many.stats["targets"] == one.stats["targets"] and many.targets == one.targets
 
 
 def test_vocab_size_limit_and_min_count():
@@ -103,6 +107,15 @@ def test_save_load_gives_identical_arrays(tmp_path):
         assert x.tobytes() == y.tobytes()
     serving = loaded.transform(df.drop(columns=["label"]))  # serving data has no label
     assert serving.y is None and serving.x_num.tobytes() == a.x_num.tobytes()
+    assert loaded.targets[0].kind == "binary"  # 0/1 integers
+
+
+def test_version_1_files_still_load():
+    d = fit_local(frame(300, 1)).to_dict()
+    v1 = {"format": d["format"], "version": 1, "label": "label", "categorical": d["categorical"], "stats": {},
+          "numeric": [{k: e[k] for k in ("name", "mean", "std", "missing_indicator")} for e in d["numeric"]]}
+    old = FittedPreprocessor.from_dict(v1)
+    assert old.targets[0].kind == "binary" and old.mean == fit_local(frame(300, 1)).mean
 
 
 def test_dictionary_encoded_categorical_is_the_same_as_plain():
