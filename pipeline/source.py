@@ -178,8 +178,10 @@ def _column_problem(shard: Shard, cfg: Config, roles, types: dict[str, str], maj
                         f"\"multiclass\" (or \"auto\") or cast the column upstream")
         if role == "categorical" and fam not in {"bool", "int", "float", "string"}:
             return f"column '{col}' is {fam}, config says categorical (string, integer or bool); cast it upstream"
-        if role in ("categorical", "label") and fam != majority[col] and \
-                not (fam in {"int", "bool"} and majority[col] in {"int", "bool"}):
+        # Numbers may widen between shards (int8 here, float64 there); a target's values are the same
+        # either way (3 and 3.0 are one class), a category's are not ('3' vs '3.0').
+        widen = {"int", "bool", "float"} if role == "label" else {"int", "bool"}
+        if role in ("categorical", "label") and fam != majority[col] and not (fam in widen and majority[col] in widen):
             # '3' and 3.0 would become different categories: refuse rather than split a vocabulary silently.
             return (f"column '{col}' is {fam} here but {majority[col]} in most shards (type drift); "
                     f"write it with one type in every shard")

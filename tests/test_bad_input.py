@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import make_config
-from pipeline import cli, preprocess, source
+import pipeline
+from pipeline import cli, source
 from pipeline.demo import _shard
 from pipeline.errors import DataError
 
@@ -85,7 +86,11 @@ def test_damaged_files_fail_clearly_or_are_quarantined(tmp_path, damage, needle)
     (lambda t: t.set_column(t.schema.get_field_index("device"), "device",
                             pa.array(np.arange(t.num_rows) % 5)), "column 'device' is int here but string in most shards"),
     (lambda t: t.set_column(t.schema.get_field_index("label"), "label", pa.array(["yes"] * t.num_rows)),
-     "column 'label' is string, config says label"),
+     "column 'label' is string here but int in most shards (type drift)"),
+    (lambda t: t.set_column(t.schema.get_field_index("label"), "label", pa.array([[1.0]] * t.num_rows)),
+     "target column 'label' is vector; a target must be a bool, an integer, a float or a string"),
+    (lambda t: t.set_column(t.schema.get_field_index("num_03"), "num_03", pa.array([{"a": 1}] * t.num_rows)),
+     "column 'num_03' is struct<a: int64>, config says numeric"),
 ])
 def test_schema_problems_name_file_column_and_fix(tmp_path, mutate, needle):
     d = good_dir(tmp_path)
@@ -155,15 +160,23 @@ def test_files_from_other_writers(tmp_path, writer, ray_local):
         t = _shard(ROWS, 0, 0)
         t = t.set_column(t.schema.get_field_index("city"), "city", t["city"].dictionary_encode())
         write(str(d / "dict.parquet"), t, use_dictionary=True)
-    cfg = make_config(str(d))
-    src = source.inspect(cfg)
+    cfg = make_config(str(d), **{"data.val_fraction": 0.0})
+    plan = pipeline.prepare(config=cfg)
+    src, fitted, acct = plan.source, plan.fitted, plan.accounting
     assert not src.bad_files
-    fitted, acct = preprocess.fit(src, cfg)
     assert acct.balanced and acct.rows_used == src.num_rows
-    rows = preprocess.transform_dataset(src, fitted, cfg, acct).count()
-    assert rows == src.num_rows
+    assert len(transformed_ids(plan)) == src.num_rows
     if writer == "spark_partitions":
         assert set(fitted.vocab[cfg.data.categorical.index("plan")]) == {f"plan_{i:03d}" for i in range(4)}
+
+
+def transformed_ids(plan) -> list[int]:
+    """Row ids of every row the plan's pieces yield, read and transformed by Ray Data tasks."""
+    from pipeline import ray_side
+
+    pieces = [p for r in range(plan.world_size) for p in plan.pieces(r)]
+    return [int(r["row_id"]) for r in ray_side.share_dataset(plan.spec, plan.fitted, pieces)
+            .select_columns(["row_id"]).take_all()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,7 +210,8 @@ def test_bad_value_fail_policy_names_column_row_and_value(tmp_path, ray_local, c
     y = t["label"].to_numpy().astype(np.int64)
     y[123] = 7
     write(str(d / "part-9.parquet"), t.set_column(t.schema.get_field_index("label"), "label", pa.array(y)))
-    rc = cli.main(["fit", "--data.path", str(d), "--run.output", str(tmp_path / "r"), "--quality.on_bad_value", "fail"])
+    rc = cli.main(["fit", "--data.path", str(d), "--run.output", str(tmp_path / "r"), "--quality.on_bad_value", "fail",
+                   "--data.target_kind", "binary"])
     err = capsys.readouterr().err
     assert rc == 2 and "part-9.parquet" in err and "'label'" in err and "7" in err and "row 123" in err
     assert "Traceback" not in err
@@ -239,9 +253,10 @@ def test_every_row_accounted_for_under_quarantine(tmp_path, ray_local):
     write(str(d / "part-4.parquet"), t)
 
     for policy, dropped in [("fill", 15), ("drop_row", None)]:
-        cfg = make_config(str(d), **{"quality.on_bad_file": "quarantine", "quality.on_bad_value": policy})
-        src = source.inspect(cfg)
-        fitted, acct = preprocess.fit(src, cfg)
+        cfg = make_config(str(d), **{"quality.on_bad_file": "quarantine", "quality.on_bad_value": policy,
+                                     "data.target_kind": "binary"})
+        plan = pipeline.prepare(config=cfg)
+        fitted, acct = plan.fitted, plan.accounting
         assert acct.rows_read == 4 * ROWS  # 3 good + part-4; empty has 0 rows; trunc's are unknown
         assert acct.rows_quarantined == 1000 and acct.unknown_row_files == 1
         assert len(acct.quarantined) == 3
@@ -250,8 +265,7 @@ def test_every_row_accounted_for_under_quarantine(tmp_path, ray_local):
         else:  # every row with any bad value, the demo's own nulls included: counted independently
             assert acct.rows_dropped == reference_bad_rows(d, cfg)
         assert acct.balanced and acct.rows_used == acct.rows_read - acct.rows_dropped - acct.rows_quarantined
-        ds = preprocess.transform_dataset(src, fitted, cfg, acct)
-        ids = [r["row_id"] for r in ds.select_columns(["row_id"]).take_all()]
+        ids = transformed_ids(plan)
         assert len(ids) == acct.rows_used == len(set(ids))
         assert np.isfinite(fitted.mean).all() and np.isfinite(fitted.std).all()
         assert "[DOES NOT BALANCE]" not in acct.summary()

@@ -2,7 +2,7 @@
 
 Each test runs the CLI in a subprocess with its own private local Ray (`address="local"`), finds the
 Ray worker process doing the work among that subprocess's descendants (by the process title Ray
-sets: `ray::MapBatches(fit_fragments)` while a fit task runs, `ray::RayTrainWorker...` for a Ray
+sets: `ray::MapBatches(fit_batch)` while a fit task runs, `ray::RayTrainWorker...` for a Ray
 Train worker), kills it, and checks that the job still finishes with exactly the right result:
 
 - preprocessing: Ray Data retries the lost task (its tasks default to max_retries=-1), and the fit
@@ -76,7 +76,7 @@ def _descendants(root: int) -> set[int]:
 
 
 def _title(pid: int) -> str:
-    """The process title (Ray rewrites argv with setproctitle, e.g. 'ray::MapBatches(fit_fragments)')."""
+    """The process title (Ray rewrites argv with setproctitle, e.g. 'ray::MapBatches(fit_batch)')."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
@@ -146,43 +146,39 @@ def _finish(proc: subprocess.Popen, log: Path, timeout: float) -> str:
 
 
 def test_fit_survives_killed_data_worker(tmp_path):
+    import pipeline
     from pipeline import demo
     from pipeline.config import DEMO_CATEGORICAL, DEMO_NUMERIC
-    from pipeline.preprocess import FittedPreprocessor, PartialStats, partial_stats
-    import pyarrow.parquet as pq
 
     rows = 256_000
     data, out, log = tmp_path / "data", tmp_path / "runs", tmp_path / "fit.log"
     paths = demo.generate(str(data), rows=rows, shards=32, seed=3)
     killed: list[tuple[int, str]] = []
-    with _cli(["fit", "--data.path", str(data), "--run.output", str(out), "--run.name", "fit"], log) as proc:
+    with _cli(["fit", "--config", "configs/demo.toml", "--data.path", str(data), "--run.output", str(out),
+               "--run.name", "fit"], log) as proc:
         deadline = time.monotonic() + WATCH_S
         while proc.poll() is None and len(killed) < 2 and time.monotonic() < deadline:
-            for pid in _find(proc.pid, "ray::MapBatches(fit_fragments)"):
+            for pid in _find(proc.pid, "ray::MapBatches(fit_batch)"):
                 if pid in (k for k, _ in killed):
                     continue
                 title = _title(pid)
-                if title.startswith("ray::MapBatches(fit_fragments)"):  # still running the task right now
+                if title.startswith("ray::MapBatches(fit_batch)"):  # still running the task right now
                     _kill_and_confirm(pid)
                     killed.append((pid, title))
                     break
             time.sleep(0.02)
         text = _finish(proc, log, timeout=FINISH_S)
-    assert killed, f"no process titled ray::MapBatches(fit_fragments) was seen under the job; log:\n{text[-4000:]}"
+    assert killed, f"no process titled ray::MapBatches(fit_batch) was seen under the job; log:\n{text[-4000:]}"
 
     assert f"[rows] rows read {rows:,} = used {rows:,} + dropped 0" in text, text[-3000:]
     (saved,) = glob.glob(str(out / "fit-*" / "preprocessor.json"))
-    fitted = FittedPreprocessor.load(saved)
-    assert fitted.stats["rows"] == rows  # no fragment lost, none counted twice by the retry
-    # ... and the statistics are those of a single-process pass over the same files.
-    total = PartialStats()
-    for p in paths:
-        total = total.merge(partial_stats(pq.read_table(p), list(DEMO_NUMERIC), list(DEMO_CATEGORICAL), "label"))
-    ref = FittedPreprocessor.from_stats(total, DEMO_NUMERIC, DEMO_CATEGORICAL, "label", max_size=1000, min_count=1,
-                                        missing_indicator=True)
-    np.testing.assert_allclose(fitted.mean, ref.mean, rtol=1e-12)
-    np.testing.assert_allclose(fitted.std, ref.std, rtol=1e-10)
-    assert fitted.vocab == ref.vocab and fitted.stats["label_counts"] == ref.stats["label_counts"]
+    fitted = pipeline.FittedPreprocessor.load(saved)
+    assert sum(fitted.targets[0].counts) == fitted.stats["rows"] < rows  # training rows: the hold-out is not fitted
+    # ... and the statistics are exactly those of a single-process pass over the same files.
+    assert len(paths) == 32
+    ref = pipeline.prepare(str(data), label="label", numeric=list(DEMO_NUMERIC), categorical=list(DEMO_CATEGORICAL),
+                           use_ray=False).fitted
+    assert fitted == ref
 
 
 # ---------------------------------------------------------------------------------------------
