@@ -63,13 +63,15 @@ class Columns:
     categorical: tuple[str, ...] = ()
     targets: tuple[Target, ...] = ()
     weight: str | None = None
+    passthrough: tuple[str, ...] = ()  # carried unchanged beside each row, never features
     label_values: tuple[float, ...] = ()  # allowed target values; empty: any the kind allows
 
     @property
     def read(self) -> list[str]:
         """Every column a task reads (column pushdown)."""
-        return [*self.numeric, *self.categorical, *(t.name for t in self.targets),
-                *([self.weight] if self.weight else [])]
+        cols = [*self.numeric, *self.categorical, *(t.name for t in self.targets),
+                *([self.weight] if self.weight else []), *self.passthrough]
+        return list(dict.fromkeys(cols))  # a pass-through column may also be a feature or target
 
     @property
     def target_names(self) -> list[str]:

@@ -38,6 +38,8 @@ class DataSection(_Section):
     numeric: tuple[str, ...] = Field((), description="numeric feature columns (numbers, or fixed-length lists of "
                                                      "numbers such as embeddings); with categorical empty too: inferred")
     categorical: tuple[str, ...] = Field((), description="categorical feature columns (strings, integers, bools)")
+    passthrough: tuple[str, ...] = Field((), description="columns carried unchanged beside each row (ids, timestamps, "
+                                                         "text), never features: RankData.train.extra[name]")
     exclude: tuple[str, ...] = Field((), description="columns never inferred as features (ids, other targets)")
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="share of rows held out for validation")
     val_seed: int = Field(0, description="seed of the hold-out: a row is held out by a hash of its row id and this")
@@ -175,6 +177,8 @@ class Config(_Section):
                     raise ValueError(f"column '{col}' is {roles[col]} and also listed in data.{kind}; a target or "
                                      f"weight is never a feature: remove it from data.{kind}")
                 roles[col] = f"data.{kind}"
+        for col in d.passthrough:  # may also be a feature or target: it is then carried as it was written
+            roles.setdefault(col, "data.passthrough")
         return self
 
     @property

@@ -103,7 +103,7 @@ class TabularDataset:
     """One rank's rows: packed features, category ids, targets and weight (see module doc), plus row ids."""
 
     def __init__(self, rows: torch.Tensor, layout: Layout | tuple, row_id: torch.Tensor | None = None, *,
-                 spill_dir: str | None = None):
+                 spill_dir: str | None = None, extra: dict[str, np.ndarray] | None = None):
         self.layout = Layout(*layout)
         if rows.dim() != 2 or rows.dtype != torch.float32 or rows.shape[1] != self.layout.width:
             raise ValueError(f"packed rows must be float32 [n, {self.layout.width}] for {self.layout}, "
@@ -115,6 +115,9 @@ class TabularDataset:
         if self.row_id.shape != (n,):
             raise ValueError(f"row_id has shape {tuple(self.row_id.shape)}, expected ({n},)")
         self.x_num, self.x_cat, self.y, self.w = unpack(self.rows, self.layout)
+        # Pass-through columns (data.passthrough), row-aligned numpy arrays kept out of the packed rows
+        # so that batches stay one gather: a batch's values are extra[name][loader.last_index].
+        self.extra = dict(extra or {})
 
     @property
     def num_features(self) -> int:
@@ -143,23 +146,25 @@ class TabularDataset:
         return cls.from_parts([(rows, np.asarray(ids, np.int64))], layout, sort=False)
 
     @classmethod
-    def from_parts(cls, parts: list[tuple[np.ndarray, np.ndarray]], layout: Layout | tuple, *, sort: bool = True,
+    def from_parts(cls, parts: list[tuple], layout: Layout | tuple, *, sort: bool = True,
                    spill_dir: str | None = None) -> "TabularDataset":
-        """Concatenate packed blocks [(rows [k, width], row ids [k]), ...] straight into one tensor (in
-        memory, or memory-mapped from a file in spill_dir: see alloc_rows). With sort, rows end up in
-        row-id order, so the result does not depend on the order blocks arrived in."""
+        """Concatenate packed blocks [(rows [k, width], row ids [k][, {pass-through column: values}]), ...]
+        straight into one tensor (in memory, or memory-mapped from a file in spill_dir: see alloc_rows).
+        With sort, rows end up in row-id order, so the result does not depend on the order blocks arrived in."""
         layout = Layout(*layout)
-        n = sum(len(ids) for _, ids in parts)
+        n = sum(len(p[1]) for p in parts)
         rows = alloc_rows(n, layout.width, spill_dir=spill_dir)
         packed = rows.numpy()
         ids = np.empty(n, np.int64)
         at = 0
-        for block, block_ids in parts:
+        for block, block_ids, *_ in parts:
             k = len(block_ids)
             packed[at:at + k] = block
             ids[at:at + k] = block_ids
             at += k
-        ds = cls(rows, layout, torch.from_numpy(ids), spill_dir=spill_dir)
+        names = parts[0][2].keys() if parts and len(parts[0]) > 2 else ()
+        extra = {c: np.concatenate([p[2][c] for p in parts]) for c in names}
+        ds = cls(rows, layout, torch.from_numpy(ids), spill_dir=spill_dir, extra=extra)
         if sort and n > 1 and not (ids[1:] > ids[:-1]).all():
             ds = ds.sorted_by_row_id()
         return ds
@@ -216,8 +221,10 @@ class TabularDataset:
                                                                         spill_dir=self.spill_dir))
         else:
             rows = self.rows.index_select(0, idx)
-        return TabularDataset(rows, self.layout, self.row_id[idx.to(self.row_id.device)], spill_dir=self.spill_dir)
+        host_idx = idx.cpu().numpy()
+        return TabularDataset(rows, self.layout, self.row_id[idx.to(self.row_id.device)], spill_dir=self.spill_dir,
+                              extra={k: v[host_idx] for k, v in self.extra.items()})
 
     def to(self, device, non_blocking: bool = False) -> "TabularDataset":
         return TabularDataset(self.rows.to(device, non_blocking=non_blocking), self.layout,
-                              self.row_id.to(device, non_blocking=non_blocking))
+                              self.row_id.to(device, non_blocking=non_blocking), extra=self.extra)

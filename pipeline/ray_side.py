@@ -60,7 +60,7 @@ def share_dataset(spec: tasks.ReadSpec, fitted, pieces: list, node_id: str | Non
         for p in _objs(batch):
             parts.append(tasks.transform_piece(spec, fitted, p))
             vals.append(np.full(len(parts[-1][1]), p.val))
-        out = tasks.concat(parts, fitted)
+        out = tasks.concat(parts, fitted, spec)
         out["val"] = np.concatenate(vals) if vals else np.empty(0, bool)
         out["local"] = np.full(len(out["row_id"]), here)
         return out
@@ -132,9 +132,10 @@ def placeholder():
     return ray.data.from_items([{"placeholder": 0}])
 
 
-def receive(iterator) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[tuple[np.ndarray, np.ndarray]], int, float]:
-    """This rank's blocks from its DataIterator, split into (training, validation) lists of
-    (packed rows, row ids), plus how many rows were transformed on this node and the seconds taken."""
+def receive(iterator) -> tuple[list[tasks.Part], list[tasks.Part], int, float]:
+    """This rank's blocks from its DataIterator, split into (training, validation) lists of parts
+    (packed rows, row ids, pass-through columns), plus how many rows were transformed on this node and
+    the seconds taken."""
     t0 = time.perf_counter()
     train, val, local = [], [], 0
     for b in iterator.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2):
@@ -142,10 +143,11 @@ def receive(iterator) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[tuple[n
             continue
         local += int(b["local"].sum())
         is_val = b["val"]
+        extra = {k[len(tasks.EXTRA):]: v for k, v in b.items() if k.startswith(tasks.EXTRA)}
         for want, dest in ((False, train), (True, val)):
             sel = is_val == want
             if sel.all():
-                dest.append((b["rows"], b["row_id"]))
+                dest.append((b["rows"], b["row_id"], extra))
             elif sel.any():
-                dest.append((b["rows"][sel], b["row_id"][sel]))
+                dest.append((b["rows"][sel], b["row_id"][sel], {k: v[sel] for k, v in extra.items()}))
     return train, val, local, time.perf_counter() - t0

@@ -80,7 +80,8 @@ class Source:
         how = "inferred from the schema" if self.inferred is not None else "from the config"
         skipped = f"; skipped {', '.join(self.inferred)}" if self.inferred else ""
         return (f"features {how}: numeric {dims}, categorical {list(c.categorical)}{skipped}; targets "
-                f"{[t.name for t in c.targets] or 'none'}" + (f"; weight '{c.weight}'" if c.weight else ""))
+                f"{[t.name for t in c.targets] or 'none'}" + (f"; weight '{c.weight}'" if c.weight else "")
+                + (f"; passed through {list(c.passthrough)}" if c.passthrough else ""))
 
     @property
     def num_rows(self) -> int:
@@ -154,7 +155,8 @@ _TARGET_FAMILIES = {"bool", "int", "float", "string"}
 def _roles(cfg: Config, features: tuple[list[str], list[str]]) -> list[tuple[str, str]]:
     d = cfg.data
     return [*((c, "numeric") for c in features[0]), *((c, "categorical") for c in features[1]),
-            *((t, "label") for t in d.targets), *(((d.weight, "weight"),) if d.weight else ())]
+            *((t, "label") for t in d.targets), *(((d.weight, "weight"),) if d.weight else ()),
+            *((c, "passthrough") for c in d.passthrough)]
 
 
 def _column_problem(shard: Shard, cfg: Config, roles, types: dict[str, str], majority: dict[str, str]) -> str | None:
@@ -193,7 +195,7 @@ def infer_features(cfg: Config, types: dict[str, str]) -> tuple[list[str], list[
     numeric; strings, dictionaries and bools categorical; the rest skipped. Targets, the weight and
     data.exclude are never features."""
     d = cfg.data
-    taken = {*d.targets, d.weight, *d.exclude}
+    taken = {*d.targets, d.weight, *d.exclude, *d.passthrough}
     numeric, categorical, skipped = [], [], []
     for name, fam in types.items():
         if name in taken:
@@ -266,7 +268,8 @@ def inspect(cfg: Config, uri: str | None = None) -> Source:
     dims = tuple(_vector_dim(fs, shards[0], c) if types[shards[0].path][c] == "vector" else 0 for c in numeric)
     columns = Columns(numeric=tuple(numeric), dims=dims, categorical=tuple(categorical),
                       targets=tuple(Target(t, majority[t], cfg.data.kind_of(t)) for t in cfg.data.targets),
-                      weight=cfg.data.weight or None, label_values=cfg.quality.label_values)
+                      weight=cfg.data.weight or None, passthrough=tuple(cfg.data.passthrough),
+                      label_values=cfg.quality.label_values)
     fragments = []
     offset = 0
     for s in shards:

@@ -95,9 +95,16 @@ def merge_fit(records: list[tuple], source: Source) -> tuple[PartialStats, Accou
     return total, acct
 
 
-def transform_piece(spec: ReadSpec, fitted: FittedPreprocessor, piece: Piece) -> tuple[np.ndarray, np.ndarray]:
-    """(packed float32 rows [k, fitted.width], global row ids [k]) of one piece, written straight into
-    the training layout."""
+Part = tuple  # (packed float32 rows [k, width], global row ids [k], {pass-through column: values [k]})
+
+
+def extras(spec: ReadSpec, table: pa.Table) -> dict[str, np.ndarray]:
+    return {c: table[c].to_numpy(zero_copy_only=False) for c in spec.columns.passthrough}
+
+
+def transform_piece(spec: ReadSpec, fitted: FittedPreprocessor, piece: Piece) -> Part:
+    """(packed float32 rows [k, fitted.width], global row ids [k], pass-through columns) of one piece,
+    written straight into the training layout."""
     f = piece.fragment
     kept, _, quarantine = _kept(spec, f)
     if kept is None:  # readable during fit, not now: the data changed under the run
@@ -109,16 +116,16 @@ def transform_piece(spec: ReadSpec, fitted: FittedPreprocessor, piece: Piece) ->
         raise DataError(f"'{f.path}' row group {f.row_group} yields {kept.num_rows:,} usable rows now but "
                         f"{piece.hi:,} or more during fit; do not modify data.path while a run is in progress")
     kept = kept.slice(piece.lo, piece.rows)
-    return fitted.pack(kept), kept[ROW_ID].to_numpy()
+    return fitted.pack(kept), kept[ROW_ID].to_numpy(), extras(spec, kept)
 
 
-def empty_block(fitted: FittedPreprocessor) -> tuple[np.ndarray, np.ndarray]:
-    return np.empty((0, fitted.width), np.float32), np.empty(0, np.int64)
+EXTRA = "extra:"  # prefix of pass-through columns in a Ray block
 
 
-def concat(parts: list[tuple[np.ndarray, np.ndarray]], fitted: FittedPreprocessor) -> dict[str, Any]:
+def concat(parts: list[Part], fitted: FittedPreprocessor, spec: ReadSpec) -> dict[str, Any]:
+    """Parts as one Ray block: rows, row_id and a column per pass-through column."""
     if not parts:
-        rows, ids = empty_block(fitted)
-    else:
-        rows, ids = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-    return {"rows": rows, "row_id": ids}
+        return {"rows": np.empty((0, fitted.width), np.float32), "row_id": np.empty(0, np.int64),
+                **{EXTRA + c: np.empty(0, object) for c in spec.columns.passthrough}}
+    return {"rows": np.concatenate([p[0] for p in parts]), "row_id": np.concatenate([p[1] for p in parts]),
+            **{EXTRA + c: np.concatenate([p[2][c] for p in parts]) for c in spec.columns.passthrough}}

@@ -181,3 +181,23 @@ def test_order_is_identical_in_another_process():
     here = BatchSampler(1000, 10, seed=9, rank=1, rank_sizes=[1000, 1000]).order(3)[:50].tolist()
     assert out.strip() == str(here)
     assert here != BatchSampler(1000, 10, seed=9, rank=1, rank_sizes=[1000, 1000]).order(4)[:50].tolist()
+
+
+@pytest.mark.ray
+def test_users_own_datasets_are_kept_and_split_beside_the_plan(ray_local, layouts):
+    import ray
+
+    import pipeline
+    from pipeline import ray_side
+
+    plan = pipeline.prepare(config=make_config(layouts["even"]), world_size=2)
+    kwargs = plan.trainer_kwargs(datasets={"extra": ray.data.range(100)})
+    assert set(kwargs["datasets"]) == {"extra", ray_side.DATASET}
+    node = ray.get_runtime_context().get_node_id()
+    its = kwargs["dataset_config"].configure(kwargs["datasets"], 2, None, [node, node])
+    extra = [sorted(r["id"] for r in it["extra"].iter_rows()) for it in its]
+    assert sorted(extra[0] + extra[1]) == list(range(100)) and all(extra)  # split between the ranks, as Ray Train does
+    with pytest.raises(pipeline.PipelineError, match="made for world_size=2 but Ray Train started 3"):
+        kwargs["dataset_config"].configure(kwargs["datasets"], 3, None, [node] * 3)
+    with pytest.raises(pipeline.ConfigError, match="taken by the ingest plan"):
+        plan.trainer_kwargs(datasets={ray_side.DATASET: ray.data.range(3)})

@@ -41,11 +41,12 @@ def test_distributed_fit_equals_single_process_fit(ray_local, demo_dir):
 def test_training_path_arrays_equal_serving_path(ray_local, demo_dir, tmp_path):
     from pipeline import ray_side
 
-    plan = pipeline.prepare(config=make_config(demo_dir, **{"data.label": ["label", "segment", "spend"]}),
-                            world_size=1)
+    plan = pipeline.prepare(config=make_config(demo_dir, **{"data.label": ["label", "segment", "spend"],
+                                                            "data.passthrough": ["city"]}), world_size=1)
     plan.fitted.save(str(tmp_path / "p.json"))
     blocks = ray_side.share_dataset(plan.spec, plan.fitted, plan.pieces(0)).take_all()
     rows = {int(b["row_id"]): b["rows"] for b in blocks}
+    city = {int(b["row_id"]): b["extra:city"] for b in blocks}
     assert len(rows) == plan.accounting.rows_used  # every usable row once
     shard = plan.source.shards[0]
     served = FittedPreprocessor.load(str(tmp_path / "p.json")).transform(pq.read_table(shard.path).to_pandas(),
@@ -55,6 +56,7 @@ def test_training_path_arrays_equal_serving_path(ray_local, demo_dir, tmp_path):
     batch = TabularDataset(packed, (plan.fitted.num_features, 4, 3, 0)).get_batch(torch.arange(len(ids)))
     np.testing.assert_array_equal(batch.x_num.numpy(), served.x_num[ids])
     np.testing.assert_array_equal(batch.x_cat.numpy(), served.x_cat[ids])
+    assert [city[i] for i in ids] == [pq.read_table(shard.path)["city"][i].as_py() for i in ids]  # passed through
 
 
 @pytest.mark.slow

@@ -254,3 +254,17 @@ def test_spilled_dataset_is_file_backed_and_serves_the_same_batches(tmp_path):
     assert not mapped()  # the mappings go with the tensors
     with pytest.raises(PipelineError, match="cannot reserve"):
         alloc_rows(1 << 40, 8, spill_dir=str(tmp_path))  # 32 TiB: no disk has room
+
+
+def test_loader_state_is_the_same_on_every_rank_and_loads_on_any():
+    sizes = [300, 301, 299]
+    loaders = [make_loader(sizes[r], 20, rank=r, sizes=sizes, drop_last=True) for r in range(3)]
+    for lo in loaders:
+        for _ in itertools.islice(iter(lo), 4):
+            pass
+    states = [lo.state_dict() for lo in loaders]
+    assert states[0] == states[1] == states[2] and "rank" not in states[0]
+    fresh = make_loader(sizes[2], 20, rank=2, sizes=sizes, drop_last=True)
+    fresh.load_state_dict(states[0])  # rank 0's checkpoint resumes rank 2 where it stopped
+    expected = make_loader(sizes[2], 20, rank=2, sizes=sizes, drop_last=True)
+    assert [rows_of(b) for b in fresh] == [rows_of(b) for b in itertools.islice(iter(expected), 4, None)]

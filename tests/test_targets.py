@@ -166,6 +166,21 @@ def test_vector_features_list_and_fixed_size_list(tmp_path):
     assert dropped.accounting.dropped == {"a list whose length is not 4 in 'emb'": N // 500}
 
 
+def test_passthrough_columns_travel_beside_their_rows(tmp_path):
+    cols = base() | {"id": pa.array([f"user-{i}" for i in range(N)]), "ts": pa.array(np.arange(N).astype("datetime64[ms]"))}
+    table = pa.table(cols)
+    plan = pipeline.prepare(write(tmp_path, table), label="reg", numeric=["x"], passthrough=["id", "ts", "x"],
+                            world_size=2)
+    for data in all_rows(plan, batch_size=50):
+        for ds in (data.train, data.val):
+            ids = ds.row_id.numpy()
+            assert list(ds.extra["id"]) == [f"user-{i}" for i in ids]
+            assert (ds.extra["ts"] == np.arange(N).astype("datetime64[ms]")[ids]).all()
+        batch = next(iter(data.loader))  # a batch's pass-through values: by the loader's last index
+        got = data.train.extra["x"][data.loader.last_index.numpy()]
+        np.testing.assert_allclose((got - plan.fitted.mean[0]) / plan.fitted.std[0], batch.x_num[:, 0], rtol=1e-5)
+
+
 def test_features_inferred_from_the_schema(tmp_path):
     cols = base() | {"blob": pa.array([b"x"] * N), "nested": pa.array([{"a": 1}] * N),
                      "ts": pa.array(np.arange(N).astype("datetime64[s]")), "id": pa.array(np.arange(N))}
