@@ -195,7 +195,10 @@ def test_users_own_datasets_are_kept_and_split_beside_the_plan(ray_local, layout
     assert set(kwargs["datasets"]) == {"extra", ray_side.DATASET}
     node = ray.get_runtime_context().get_node_id()
     its = kwargs["dataset_config"].configure(kwargs["datasets"], 2, None, [node, node])
-    extra = [sorted(r["id"] for r in it["extra"].iter_rows()) for it in its]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:  # split iterators are consumed together, as Ray Train's workers do
+        extra = list(pool.map(lambda it: sorted(r["id"] for r in it["extra"].iter_rows()), its))
     assert sorted(extra[0] + extra[1]) == list(range(100)) and all(extra)  # split between the ranks, as Ray Train does
     with pytest.raises(pipeline.PipelineError, match="made for world_size=2 but Ray Train started 3"):
         kwargs["dataset_config"].configure(kwargs["datasets"], 3, None, [node] * 3)
