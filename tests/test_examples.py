@@ -29,11 +29,11 @@ def env() -> dict[str, str]:
     return e
 
 
-def run(args: list[str], timeout: int = 300) -> str:
+def run(args: list[str], timeout: int = 300, clean: bool = True) -> str:
     cp = subprocess.run(args, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
     out = cp.stdout + cp.stderr
     assert cp.returncode == 0, out[-6000:]
-    assert "Traceback" not in out, out[-6000:]
+    assert not clean or "Traceback" not in out, out[-6000:]
     return out
 
 
@@ -64,7 +64,8 @@ def test_torchrun_and_resumed_ray_train_see_the_same_batches(data, tmp_path):
                "--trace", str(tr)])
     assert "rank 1/2 (torch.distributed)" in out and "epoch 2:" in out
     out = run([sys.executable, "examples/ray_train_loop.py", *common, "--workers", "2", "--checkpoint-every", "10",
-               "--fail-at-step", "25", "--trace", str(ry), "--storage", str(tmp_path / "runs")], timeout=400)
+               "--fail-at-step", "25", "--trace", str(ry), "--storage", str(tmp_path / "runs")], timeout=400,
+              clean=False)  # Ray logs the deliberately killed worker's traceback
     assert (ry / "failed-once").exists(), out[-4000:]  # rank 0 really died once
     assert "rank 1/2 (ray)" in out or "done:" in out
     for r in (0, 1):
