@@ -3,7 +3,6 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 CONFIG ?= configs/demo.toml
-export RAY_AUTH_MODE ?= disabled
 
 .PHONY: setup demo test bench clean
 

@@ -14,14 +14,15 @@ Names are imported lazily so that a Ray task importing one module does not pay f
 """
 
 __all__ = ["Batch", "BatchSampler", "ConfigError", "DataError", "DeviceLoader", "FittedPreprocessor", "IngestPlan",
-           "PipelineError", "RankData", "TabularDataset", "Transformed", "WorkerLoader", "load_config", "prepare",
-           "rank_context", "rank_data"]
+           "NoUsableRows", "PipelineError", "RankData", "StallError", "TabularDataset", "Transformed", "WorkerLoader",
+           "load_config", "prepare", "rank_context", "rank_data"]
 
 _WHERE = {
     "Batch": "dataset", "TabularDataset": "dataset", "BatchSampler": "sampler", "DeviceLoader": "loader",
     "WorkerLoader": "loader", "FittedPreprocessor": "preprocess", "Transformed": "preprocess", "IngestPlan": "ingest",
     "RankData": "ingest", "prepare": "ingest", "rank_data": "ingest", "rank_context": "ingest",
-    "PipelineError": "errors", "ConfigError": "errors", "DataError": "errors",
+    "PipelineError": "errors", "ConfigError": "errors", "DataError": "errors", "NoUsableRows": "errors",
+    "StallError": "errors",
 }
 
 

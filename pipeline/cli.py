@@ -14,7 +14,7 @@ import traceback
 from typing import Any, Callable
 
 from . import config as config_mod
-from .errors import PipelineError
+from .errors import PipelineError, find_pipeline_error
 
 DEFAULT_CONFIG = "configs/demo.toml"
 
@@ -126,35 +126,23 @@ def main(argv: list[str] | None = None) -> int:
         handler: Callable[..., Any] = COMMANDS[args.command][0] if args.command in COMMANDS else args.handler
         return handler(cfg, args)
     except PipelineError as e:
-        if args.debug:
-            traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
+        _report(e, args.debug)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # Ray wraps errors raised in tasks and workers; surface ours without the noise
-        inner = _find_pipeline_error(e)
+        inner = find_pipeline_error(e)
         if inner is None:
             raise
-        if args.debug:
-            traceback.print_exc()
-        print(f"error: {inner}", file=sys.stderr)
+        _report(inner, args.debug, e)
         return 2
 
 
-def _find_pipeline_error(e: BaseException) -> PipelineError | None:
-    seen = set()
-    stack = [e]
-    while stack:
-        cur = stack.pop()
-        if cur is None or id(cur) in seen:
-            continue
-        seen.add(id(cur))
-        if isinstance(cur, PipelineError):
-            return cur
-        stack += [getattr(cur, "cause", None), cur.__cause__, cur.__context__,
-                  getattr(cur, "_original_exception", None)]
-        stack += [c for c in getattr(cur, "worker_failures", {}).values()] if isinstance(
-            getattr(cur, "worker_failures", None), dict) else []
-    return None
+def _report(e: PipelineError, debug: bool, outer: BaseException | None = None) -> None:
+    """One paragraph; --debug adds the tracebacks (ours, Ray's wrapping, and a task's own)."""
+    if debug:
+        traceback.print_exception(outer or e)
+        if e.details:
+            print(e.details, file=sys.stderr)
+    print(f"error: {e}", file=sys.stderr)

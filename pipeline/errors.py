@@ -9,11 +9,17 @@ from __future__ import annotations
 
 
 class PipelineError(Exception):
-    """Bad input or configuration; the message is complete and meant for the user."""
+    """Bad input or configuration; the message is complete and meant for the user.
 
-    def __init__(self, message: str):
+    details: where it happened, for --debug (e.g. the traceback of a task on another node)."""
+
+    def __init__(self, message: str, details: str = ""):
         # One paragraph, whatever the underlying library put in its own message.
         super().__init__(" ".join(str(message).split()))
+        self.details = details
+
+    def __reduce__(self):  # keep details when Ray pickles the error from a task or worker
+        return type(self), (str(self), self.details)
 
 
 class ConfigError(PipelineError):
@@ -22,3 +28,38 @@ class ConfigError(PipelineError):
 
 class DataError(PipelineError):
     """A Parquet shard or a value in it does not match what the configuration promises."""
+
+
+class NoUsableRows(DataError):
+    """Every file or row group was set aside: the run stops, and its manifest is still written."""
+
+    def __init__(self, message: str, manifest_jsonl: str = "", details: str = ""):
+        super().__init__(message, details)
+        self.manifest_jsonl = manifest_jsonl
+
+    def __reduce__(self):
+        return type(self), (str(self), self.manifest_jsonl, self.details)
+
+
+class StallError(PipelineError):
+    """A stage made no progress for run.stall_timeout_s: the message says what it waited for."""
+
+
+def find_pipeline_error(e: BaseException | None) -> PipelineError | None:
+    """Our error inside whatever Ray wrapped it in (task errors, UserCodeException, worker group
+    failures), or None."""
+    seen = set()
+    stack = [e]
+    while stack:
+        cur = stack.pop()
+        if cur is None or id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        if isinstance(cur, PipelineError):
+            return cur
+        stack += [getattr(cur, "cause", None), cur.__cause__, cur.__context__,
+                  getattr(cur, "_original_exception", None)]
+        failures = getattr(cur, "worker_failures", None)
+        if isinstance(failures, dict):
+            stack += list(failures.values())
+    return None

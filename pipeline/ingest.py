@@ -31,11 +31,11 @@ from typing import Any
 from . import config as config_mod
 from . import storage
 from .config import Config
-from .errors import ConfigError, DataError, PipelineError
+from .errors import ConfigError, DataError, NoUsableRows, PipelineError
 from .plan import Piece, plan_shares, rank_sizes
 from .preprocess import FittedPreprocessor
 from .quality import Accounting
-from .source import Source, inspect
+from .source import Source, inspect, list_reasons
 from .tasks import ReadSpec, merge_fit
 
 _PLAN_FORMAT = "pipeline.IngestPlan/1"
@@ -192,10 +192,12 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
     else:
         from . import local_side as side  # type: ignore[no-redef]
     t1 = time.perf_counter()
-    total, acct = merge_fit(side.fit_records(src, spec), src)
+    total, acct = merge_fit(side.fit_records(src, spec, cfg.run.stall_timeout_s), src)
     fit_s = time.perf_counter() - t1
     if total.rows == 0:
-        raise DataError(f"no usable rows under '{src.uri}': {acct.summary()}; fix the data or the quality policy")
+        set_aside = f"; set aside: {list_reasons(acct.quarantined)}" if acct.quarantined else ""
+        raise NoUsableRows(f"no usable rows under '{src.uri}': {acct.summary()}{set_aside}. Fix the data or the quality "
+                           f"policy (quality.on_bad_value, quality.label_values)", acct.manifest_jsonl())
     p = cfg.preprocess
     if isinstance(fitted, str):
         fitted = FittedPreprocessor.load(fitted)
@@ -354,20 +356,26 @@ def rank_data(plan: IngestPlan, *, batch_size: int | None = None, seed: int | No
     batch_size, seed = batch_size or t.batch_size, t.seed if seed is None else seed
     drop_last = t.drop_last if drop_last is None else drop_last
     shuffle = t.shuffle != "none" if shuffle is None else shuffle
+    planned = (plan.train_rows if plan.global_shuffle else plan.train_sizes[r], plan.val_sizes[r])
+    read_here = ""
     if launcher == "ray":
         import ray.train
 
-        from . import ray_side
+        from . import local_side, ray_side
 
-        train_parts, val_parts, local, secs = ray_side.receive(ray.train.get_dataset_shard(ray_side.DATASET))
         ranks_on_node = ray.train.get_context().get_local_world_size()
+        if ray_side.cpus()[0] >= 1:
+            train_parts, val_parts, local, secs = ray_side.receive(
+                ray.train.get_dataset_shard(ray_side.DATASET), r, sum(planned), cfg.run.stall_timeout_s)
+        else:  # the training workers hold every CPU: a Ray Data task would wait forever, so read here
+            train_parts, val_parts, local, secs = local_side.read_share(plan, r)
+            read_here = " (read in this worker: the cluster has no CPU free for Ray Data tasks)"
     else:
         from . import local_side
 
         train_parts, val_parts, local, secs = local_side.read_share(plan, r)
         ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     layout = Layout(f.num_features, len(f.categorical), len(f.targets), 1 if f.weight else 0)
-    planned = (plan.train_rows if plan.global_shuffle else plan.train_sizes[r], plan.val_sizes[r])
     got = (sum(len(p[1]) for p in train_parts), sum(len(p[1]) for p in val_parts))
     if got != planned:
         raise DataError(f"rank {r} received {got[0]:,} training and {got[1]:,} validation rows but its planned share is "
@@ -383,4 +391,4 @@ def rank_data(plan: IngestPlan, *, batch_size: int | None = None, seed: int | No
     loader = DeviceLoader(train, sampler, device, placement=cfg.loader.placement, prefetch=cfg.loader.prefetch,
                           device_memory_fraction=cfg.loader.device_memory_fraction,
                           chunk_bytes=int(cfg.loader.chunk_mib * 2**20))
-    return RankData(plan, r, w, launcher, device, train, val, loader, local, secs, where)
+    return RankData(plan, r, w, launcher, device, train, val, loader, local, secs, where + read_here)

@@ -15,7 +15,7 @@ def _threads(n: int) -> int:
     return max(1, min(n, os.cpu_count() or 1, 8))
 
 
-def fit_records(source, spec: tasks.ReadSpec) -> list[tuple]:
+def fit_records(source, spec: tasks.ReadSpec, stall_s: float = 0.0) -> list[tuple]:
     frags = list(source.fragments)
     with ThreadPoolExecutor(_threads(len(frags))) as pool:
         return list(pool.map(lambda f: tasks.fit_fragment(spec, f), frags))

@@ -7,15 +7,17 @@ The per-fragment work itself is in tasks.py and is the same without Ray (local_s
 from __future__ import annotations
 
 import pickle
+import queue
+import threading
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
 
 from . import tasks
-from .errors import DataError
+from .errors import DataError, StallError, find_pipeline_error
 
 DATASET = "pipeline"  # the name under which the plan's rows reach Ray Train workers
 
@@ -34,14 +36,59 @@ def _objs(batch: pa.Table):
         yield pickle.loads(blob)
 
 
-def fit_records(source, spec: tasks.ReadSpec) -> list[tuple]:
+def cpus() -> tuple[float, float]:
+    """(free, total) CPUs of the cluster, as the GCS sees them now."""
+    import ray
+
+    return ray.available_resources().get("CPU", 0.0), ray.cluster_resources().get("CPU", 0.0)
+
+
+def watched(items: Iterable, stall_s: float, waiting_for: Callable[[], str]) -> Iterator:
+    """Yield from `items` (pulled in a helper thread); if none arrives for stall_s seconds, raise a
+    StallError whose message is waiting_for(), instead of waiting forever."""
+    q: queue.Queue = queue.Queue(maxsize=2)
+    done = object()
+
+    def pull() -> None:
+        try:
+            for x in items:
+                q.put((x, None))
+            q.put((done, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+            q.put((done, e))
+
+    threading.Thread(target=pull, daemon=True, name="pipeline-watched").start()
+    while True:
+        try:
+            x, err = q.get(timeout=stall_s)
+        except queue.Empty:
+            raise StallError(waiting_for()) from None
+        if x is done:
+            if err is not None:
+                inner = find_pipeline_error(err)
+                raise (inner or err) from None
+            return
+        yield x
+
+
+def fit_records(source, spec: tasks.ReadSpec, stall_s: float = 300.0) -> list[tuple]:
     """tasks.fit_fragment over every fragment, one Ray Data task per fragment, in fragment order."""
 
     def fit_batch(batch: pa.Table) -> dict[str, np.ndarray]:
         return {"record": np.array([pickle.dumps(tasks.fit_fragment(spec, f)) for f in _objs(batch)], dtype=object)}
 
-    rows = _items(list(source.fragments)).map_batches(fit_batch, batch_format="pyarrow", batch_size=1).take_all()
-    return [pickle.loads(r["record"]) for r in rows]
+    ds = _items(list(source.fragments)).map_batches(fit_batch, batch_format="pyarrow", batch_size=1)
+    out: list[tuple] = []
+
+    def waiting() -> str:
+        free, total = cpus()
+        return (f"the fit pass made no progress for {stall_s:.0f}s ({len(out)} of {len(source.fragments)} row groups "
+                f"fitted): its Ray Data tasks are not running. The cluster has {free:g} of {total:g} CPUs free; free "
+                f"some (other jobs hold them), add nodes, or raise run.stall_timeout_s if the storage is just slow")
+
+    for r in watched(ds.iter_rows(), stall_s, waiting):
+        out.append(pickle.loads(r["record"]))
+    return out
 
 
 def share_dataset(spec: tasks.ReadSpec, fitted, pieces: list, node_id: str | None = None, node_cpus: int = 1):
@@ -132,13 +179,24 @@ def placeholder():
     return ray.data.from_items([{"placeholder": 0}])
 
 
-def receive(iterator) -> tuple[list[tasks.Part], list[tasks.Part], int, float]:
+def receive(iterator, rank: int = 0, expected: int = 0, stall_s: float = 300.0
+            ) -> tuple[list[tasks.Part], list[tasks.Part], int, float]:
     """This rank's blocks from its DataIterator, split into (training, validation) lists of parts
     (packed rows, row ids, pass-through columns), plus how many rows were transformed on this node and
-    the seconds taken."""
+    the seconds taken. No block for stall_s seconds: a StallError saying what it waited for."""
     t0 = time.perf_counter()
     train, val, local = [], [], 0
-    for b in iterator.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2):
+
+    def waiting() -> str:
+        got = sum(len(p[1]) for p in train + val)
+        free, total = cpus()
+        return (f"rank {rank} received no rows of its share for {stall_s:.0f}s ({got:,} of {expected:,} so far): the Ray "
+                f"Data tasks that read and transform it are not running. The cluster has {free:g} of {total:g} CPUs "
+                f"free; give the training workers fewer CPUs than the nodes have (ScalingConfig resources_per_worker), "
+                f"add CPUs, or raise run.stall_timeout_s if the storage is just slow")
+
+    blocks = iterator.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2)
+    for b in watched(blocks, stall_s, waiting):
         if not len(b["row_id"]):
             continue
         local += int(b["local"].sum())

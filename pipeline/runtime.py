@@ -8,6 +8,14 @@ import os
 from .config import Config
 
 
+# A private local Ray is for this machine alone: nothing it opens should listen beyond loopback.
+# Ray 2.60 binds its GCS, raylet, object manager and workers to every interface (and some agents to the
+# node's external address); it binds them to 127.0.0.1 only when it takes the node's address to be
+# 127.0.0.1, which this variable makes it do (the code path Ray uses on macOS and Windows). A real
+# cluster (run.ray_address, `ray job submit`) is left as its operator set it up: see the README.
+LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
 def init_ray(cfg: Config) -> None:
     """Join the cluster named by run.ray_address, or start a private local one.
 
@@ -28,6 +36,7 @@ def init_ray(cfg: Config) -> None:
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS") or "local"
     if address == "local":
         cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, cfg.train.num_workers + 2)
+        os.environ.update(LOOPBACK_ONLY)  # before Ray starts: its processes inherit it
         ray.init(address="local", num_cpus=cpus, **kwargs)
     else:
         ray.init(address=address, **kwargs)

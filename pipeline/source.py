@@ -18,15 +18,20 @@ from dataclasses import dataclass, field
 from urllib.parse import unquote
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import storage
 from .columns import KINDS, NUMERIC_FAMILIES, Columns, Target, common_length, family
 from .config import Config
-from .errors import DataError
+from .errors import DataError, NoUsableRows
 
 _SKIP_PREFIXES = ("_", ".")  # _SUCCESS, _metadata, _common_metadata, .crc files, hidden files
 _MAGIC = b"PAR1"
+_ENCRYPTED_MAGIC = b"PARE"
+_NEEDS_KEYS = ("reading it needs its decryption keys (pyarrow.parquet.encryption: a KMS client and the key ids), "
+               "which this pipeline does not take; decrypt it upstream, or set quality.on_bad_file = \"quarantine\" "
+               "to train on the other files")
 _HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
 
 
@@ -129,6 +134,8 @@ def _footer(fs, path: str, root: str) -> Shard | BadFile:
                 return BadFile(path, "file is empty (0 bytes)", 0)
             head = f.read_at(4, 0)
             tail = f.read_at(4, size - 4) if size >= 8 else b""
+            if _ENCRYPTED_MAGIC in (head, tail):
+                return BadFile(path, f"encrypted Parquet file (encrypted footer, magic {_ENCRYPTED_MAGIC!r}): {_NEEDS_KEYS}", None)
             if head != _MAGIC:
                 return BadFile(path, f"not a Parquet file (starts with {head!r}, Parquet starts with {_MAGIC!r})", None)
             if tail != _MAGIC:
@@ -136,6 +143,8 @@ def _footer(fs, path: str, root: str) -> Shard | BadFile:
             md = pq.ParquetFile(f).metadata
             schema = md.schema.to_arrow_schema()
     except (OSError, pa.ArrowException) as e:
+        if "encrypt" in str(e).lower() or "decrypt" in str(e).lower():
+            return BadFile(path, f"encrypted Parquet file ({e}): {_NEEDS_KEYS}", None)
         return BadFile(path, f"unreadable Parquet footer ({e})", None)
     groups = tuple(md.row_group(g).num_rows for g in range(md.num_row_groups))
     return Shard(path, md.num_rows, groups, size, schema, partition_of(path, root))
@@ -260,8 +269,11 @@ def inspect(cfg: Config, uri: str | None = None) -> Source:
         raise DataError(f"'{first.path}': {first.reason}.{more} Rewrite or remove the file, or set "
                         f"quality.on_bad_file = \"quarantine\" to set bad files aside and train on the rest")
     if not shards:
-        raise DataError(f"none of the {len(paths)} files under '{uri}' is usable (first problem: '{bad[0].path}': "
-                        f"{bad[0].reason}); fix the data or data.path")
+        import json
+
+        raise NoUsableRows(f"none of the {len(paths)} files under '{uri}' is usable: {list_reasons([b.manifest() for b in bad])}. "
+                           f"Fix the data or data.path",
+                           "".join(json.dumps(b.manifest(), sort_keys=True) + "\n" for b in bad))
     if not numeric and not categorical:
         raise DataError(f"no feature columns: data.numeric and data.categorical are empty and none could be inferred "
                         f"from '{shards[0].path}' (columns: {', '.join(types[shards[0].path])}); list them in the config")
@@ -283,6 +295,45 @@ def inspect(cfg: Config, uri: str | None = None) -> Source:
                   tuple(skipped) if inferred else None)
 
 
+def list_reasons(entries: list[dict], most: int = 5) -> str:
+    """'file' (row group g): reason; ... for the first few manifest entries, and how many more."""
+    shown = [f"'{e['file']}'" + (f" row group {e['row_group']}" if e.get("row_group") is not None else "")
+             + f": {e['reason']}" for e in entries[:most]]
+    more = f"; and {len(entries) - most} more" if len(entries) > most else ""
+    return "; ".join(shown) + more
+
+
+class DamagedRowGroup(OSError):
+    """A row group decoded without error to values its footer says it cannot hold."""
+
+
+def statistics_problem(rg, table: pa.Table) -> str | None:
+    """Check each decoded column chunk against the footer's statistics, where the writer stored them:
+    the null count always, min and max for integers, floats and bools (strings are left alone: some
+    writers store truncated bounds). A page whose bytes changed without a checksum to tell can still
+    decode; its values then rarely keep the chunk's exact null count, minimum and maximum."""
+    for j in range(rg.num_columns):
+        chunk = rg.column(j)
+        name = chunk.path_in_schema
+        stats = chunk.statistics if chunk.is_stats_set else None
+        if stats is None or name not in table.column_names:
+            continue
+        col = table[name]
+        if stats.has_null_count and col.null_count != stats.null_count:
+            return f"column '{name}': {col.null_count} nulls decoded, the footer says {stats.null_count}"
+        t = col.type
+        if not stats.has_min_max or not (pa.types.is_integer(t) or pa.types.is_boolean(t)
+                                         or pa.types.is_float32(t) or pa.types.is_float64(t)):
+            continue
+        mm = pc.min_max(col)
+        lo, hi = mm["min"].as_py(), mm["max"].as_py()
+        if lo is None:
+            continue  # only nulls or NaN decoded: the null count above already spoke
+        if (lo, hi) != (stats.min, stats.max):
+            return f"column '{name}': min {lo!r} and max {hi!r} decoded, the footer says {stats.min!r} and {stats.max!r}"
+    return None
+
+
 def read_fragment(uri: str, frag: Fragment, columns: list[str]) -> pa.Table:
     """Read one row group, only the named columns (column pushdown), with page checksums verified where
     the writer stored them; partition keys named in `columns` come from the path."""
@@ -292,6 +343,9 @@ def read_fragment(uri: str, frag: Fragment, columns: list[str]) -> pa.Table:
         pf = pq.ParquetFile(f, page_checksum_verification=True)
         names = set(pf.schema_arrow.names)
         table = pf.read_row_group(frag.row_group, columns=[c for c in columns if c in names])
+        problem = statistics_problem(pf.metadata.row_group(frag.row_group), table)
+    if problem:
+        raise DamagedRowGroup(f"decoded values disagree with the footer's statistics ({problem})")
     for c in columns:
         if c not in names and c in part:
             table = table.append_column(c, pa.array([part[c]] * table.num_rows, type=pa.string()))

@@ -6,6 +6,7 @@ No Ray and no torch here: pyarrow and numpy on one row group at a time.
 
 from __future__ import annotations
 
+import traceback
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from .errors import DataError
 from .plan import Piece, holdout_mask
 from .preprocess import FittedPreprocessor, PartialStats, partial_stats
 from .quality import Accounting, screen
-from .source import Fragment, Source, read_fragment
+from .source import DamagedRowGroup, Fragment, Source, read_fragment
 
 ROW_ID = "__row_id"
 
@@ -42,12 +43,20 @@ def read(spec: ReadSpec, frag: Fragment) -> pa.Table | dict:
         table = read_fragment(spec.uri, frag, spec.columns.read)
     except (OSError, pa.ArrowException) as e:
         rows = f"rows {frag.file_row_start}-{frag.file_row_start + frag.num_rows - 1}"
+        text = str(e).lower()
+        if "encrypt" in text or "decrypt" in text:
+            what, why = "is encrypted", ("its columns are encrypted; reading them needs the decryption keys "
+                                         "(pyarrow.parquet.encryption), which this pipeline does not take: decrypt it upstream")
+        elif isinstance(e, DamagedRowGroup):
+            what, why = "is damaged", "the file is damaged behind a readable footer: rewrite it"
+        else:
+            what, why = "cannot be decoded", "the file is damaged behind a readable footer: rewrite it"
         if spec.on_bad_file == "fail":
-            raise DataError(f"cannot decode row group {frag.row_group} ({rows}) of '{frag.path}': {e}. The file is "
-                            f"damaged behind a readable footer: rewrite it, or set quality.on_bad_file = "
-                            f"\"quarantine\" to set damaged row groups aside") from None
+            raise DataError(f"row group {frag.row_group} ({rows}) of '{frag.path}' {what}: {e}. {why[0].upper()}{why[1:]}, "
+                            f"or set quality.on_bad_file = \"quarantine\" to set such row groups aside") from None
         return {"file": frag.path, "row_group": frag.row_group, "row_start": frag.file_row_start,
-                "rows": frag.num_rows, "reason": f"cannot decode row group ({type(e).__name__}: {e})"}
+                "rows": frag.num_rows, "reason": f"row group {what} ({type(e).__name__}: {e})"
+                + (f"; {why}" if what == "is encrypted" else "")}
     return table.append_column(ROW_ID, pa.array(np.arange(frag.row_start, frag.row_start + frag.num_rows)))
 
 
@@ -65,7 +74,7 @@ def _is_val(spec: ReadSpec, kept: pa.Table) -> np.ndarray:
 
 def fit_fragment(spec: ReadSpec, frag: Fragment) -> tuple:
     """(row_start, rows, partial statistics or None, dropped counts, quarantine entry or None,
-    (training rows, validation rows)); or (row_start, message) when the run must stop. Statistics
+    (training rows, validation rows)); or (row_start, message, details) when the run must stop. Statistics
     are of the training rows only, so validation rows never leak into the fit."""
     try:
         kept, dropped, quarantine = _kept(spec, frag)
@@ -77,14 +86,16 @@ def fit_fragment(spec: ReadSpec, frag: Fragment) -> tuple:
         return frag.row_start, frag.num_rows, partial_stats(train, spec.columns), dropped, None, (train.num_rows, n_val)
     except DataError as e:
         # Returned, not raised: Ray would wrap it in layers of task errors and print a traceback.
-        return frag.row_start, str(e)
+        return frag.row_start, str(e), e.details
+    except Exception as e:  # noqa: BLE001 - anything else still reaches the user as one paragraph
+        return frag.row_start, str(unexpected(e, frag)), traceback.format_exc()
 
 
 def merge_fit(records: list[tuple], source: Source) -> tuple[PartialStats, Accounting]:
     """Merge fit_fragment's records in fragment order (the float64 merge is then the same every run)."""
-    errors = sorted(r for r in records if len(r) == 2)
+    errors = sorted(r for r in records if len(r) == 3)
     if errors:
-        raise DataError(errors[0][1])
+        raise DataError(errors[0][1], errors[0][2])
     total, acct = PartialStats(), Accounting()
     acct.add_bad_files(source.bad_files)
     for row_start, n, part, dropped, quarantine, used in sorted(records, key=lambda r: r[0]):
@@ -102,9 +113,24 @@ def extras(spec: ReadSpec, table: pa.Table) -> dict[str, np.ndarray]:
     return {c: table[c].to_numpy(zero_copy_only=False) for c in spec.columns.passthrough}
 
 
+def unexpected(e: BaseException, frag: Fragment) -> DataError:
+    return DataError(f"unexpected {type(e).__name__} while reading row group {frag.row_group} of '{frag.path}': {e}. "
+                     f"The file may hold a type or encoding this pipeline does not handle: run with --debug for the "
+                     f"traceback, and rewrite the file or report it", traceback.format_exc())
+
+
 def transform_piece(spec: ReadSpec, fitted: FittedPreprocessor, piece: Piece) -> Part:
     """(packed float32 rows [k, fitted.width], global row ids [k], pass-through columns) of one piece,
     written straight into the training layout."""
+    try:
+        return _transform_piece(spec, fitted, piece)
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise unexpected(e, piece.fragment) from None
+
+
+def _transform_piece(spec: ReadSpec, fitted: FittedPreprocessor, piece: Piece) -> Part:
     f = piece.fragment
     kept, _, quarantine = _kept(spec, f)
     if kept is None:  # readable during fit, not now: the data changed under the run

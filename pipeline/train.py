@@ -24,7 +24,7 @@ from torch import nn
 import pipeline
 from pipeline import storage
 from pipeline.config import Config
-from pipeline.errors import DataError, PipelineError
+from pipeline.errors import DataError, NoUsableRows, PipelineError
 from pipeline.metrics import StepStats, timed
 
 CHECKPOINT_FILE = "state.pt"
@@ -314,17 +314,40 @@ def check_resume(cfg: Config, out_uri: str) -> None:
                             f"run (run.resume = false)")
 
 
+def check_cluster_fits(workers: int, use_gpu: bool) -> None:
+    """Stop at once, in one paragraph, when the cluster could never place the training workers (Ray
+    Train would wait for them forever)."""
+    import ray
+
+    kind = "GPU" if use_gpu else "CPU"  # a GPU worker takes one GPU and no CPU; a CPU worker one CPU
+    total = ray.cluster_resources().get(kind, 0.0)
+    if total < workers:
+        raise PipelineError(f"train.num_workers = {workers} needs {workers} {kind}s (one per training worker) but the "
+                            f"Ray cluster has {total:g}; lower train.num_workers to {int(total) or 1}, "
+                            + ("or set train.use_gpu = false" if use_gpu else "or give the local Ray more CPUs "
+                               "(run.num_cpus) or join a larger cluster (run.ray_address)"))
+    if not use_gpu and total == workers:
+        print(f"[train] the {workers} training workers take all {total:g} CPUs of the cluster: each rank reads and "
+              f"transforms its share inside its own worker process", flush=True)
+
+
 def prepare_run(cfg: Config, out_uri: str, world_size: int) -> "pipeline.IngestPlan":
     """Validate, fit (or, resuming, reuse the run's preprocessor), plan; save the preprocessor and the
     quarantine manifest to the run folder and print what was decided."""
     saved = storage.join(out_uri, PREPROCESSOR_FILE)
     earlier = cfg.run.resume and storage.exists(*storage.filesystem(saved))
-    plan = pipeline.prepare(config=cfg, world_size=world_size, fitted=saved if earlier else None)
+    manifest = storage.join(out_uri, QUARANTINE_FILE)
+    try:
+        plan = pipeline.prepare(config=cfg, world_size=world_size, fitted=saved if earlier else None)
+    except NoUsableRows as e:  # nothing to train on: the manifest still says what was set aside, and why
+        if not e.manifest_jsonl:
+            raise
+        storage.write_text(manifest, e.manifest_jsonl)
+        raise DataError(f"{e} Every file and row group set aside is listed in {manifest}", e.details) from None
     if earlier:
         print(f"[fit] resuming: using the preprocessor fitted earlier, {saved}", flush=True)
     else:
         plan.fitted.save(saved)
-    manifest = storage.join(out_uri, QUARANTINE_FILE)
     if plan.accounting.quarantined:
         storage.write_text(manifest, plan.accounting.manifest_jsonl())
     lines = plan.describe()
@@ -353,6 +376,7 @@ def run(cfg: Config) -> dict[str, Any]:
         raise DataError(f"row accounting does not balance: {acct.summary()}; was data.path modified during the run?")
 
     use_gpu = cfg.train.use_gpu == "true" or (cfg.train.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
+    check_cluster_fits(cfg.train.num_workers, use_gpu)
     # Ray Train writes through the filesystem pipeline.storage builds (same endpoint, addressing style
     # and credentials as every other read and write), pickled to its controller and workers.
     storage_path, storage_filesystem = storage.ray_storage(cfg.run.output)

@@ -6,7 +6,12 @@ import os
 
 import pytest
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # `ray job submit` and local clusters must agree
+from pipeline.runtime import LOOPBACK_ONLY  # noqa: E402
+
+# Every Ray a test starts (here, in subprocesses, `ray start`, Cluster) listens on loopback only, so
+# token authentication can be off for them: `ray job submit` and the clusters must agree on it.
+os.environ.update(LOOPBACK_ONLY)
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 
 

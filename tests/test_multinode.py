@@ -56,6 +56,7 @@ CLUSTER_SCRIPT = textwrap.dedent('''
     # would wait forever). The rank restarted on the head has no spare CPU there, so its share is
     # transformed on the other node (its [data] line says 0%% on this node).
     head_cpus = 1 if mode == "node_loss" else 0
+    small = {**small, "node_ip_address": "127.0.0.1"}  # loopback only (with LOOPBACK_ONLY in the environment)
     cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=head_cpus, include_dashboard=False, **small))
     nodes = {"head": cluster.head_node,
              "a": cluster.add_node(num_cpus=2, resources={"node_a": 1}, **small),

@@ -1,0 +1,61 @@
+"""No open door on the developer's network: while a local job runs, every port its private Ray opened
+listens on loopback only."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+def listening(root: psutil.Process) -> dict[tuple[str, str, int], str]:
+    """(process name, ip, port) of every listening TCP socket in the process tree -> its command line."""
+    out = {}
+    try:
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return out
+    for p in procs:
+        try:
+            for c in p.net_connections(kind="tcp"):
+                if c.status == psutil.CONN_LISTEN:
+                    out[(p.name(), c.laddr.ip, c.laddr.port)] = " ".join(p.cmdline()[:2])
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
+@pytest.mark.slow
+def test_a_local_job_listens_on_loopback_only(tmp_path):
+    from pipeline import demo
+
+    demo.generate(str(tmp_path / "data"), rows=4000, shards=2, seed=1)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")  # as `make demo` runs it: nothing set by the tests
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "train", "--config", "configs/demo.toml",
+                             "--data.path", str(tmp_path / "data"), "--run.output", str(tmp_path / "runs"),
+                             "--train.epochs", "2", "--train.hidden", "[8]", "--train.batch_size", "128"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: dict = {}
+    root = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        seen.update(listening(root))
+        time.sleep(0.2)
+    out = proc.communicate(timeout=60)[0] if proc.poll() is not None else ""
+    if proc.poll() is None:
+        proc.kill()
+        pytest.fail("the job did not finish in 300 s")
+    assert proc.returncode == 0, out[-4000:]
+    names = {name for name, _, _ in seen}
+    assert {"gcs_server", "raylet"} <= names, seen  # the job's own Ray was watched while it ran
+    wide = {k: v for k, v in seen.items() if k[1] not in LOOPBACK}
+    assert not wide, f"listening beyond loopback: {wide}"
