@@ -47,7 +47,22 @@ class StallError(PipelineError):
 
 def find_pipeline_error(e: BaseException | None) -> PipelineError | None:
     """Our error inside whatever Ray wrapped it in (task errors, UserCodeException, worker group
-    failures), or None."""
+    failures), or None. Ray Data passes a task's exception on as text inside its own (the original
+    object does not travel), so the last `pipeline.errors.X: message` line of that text counts too."""
+    found = _find_object(e)
+    if found is not None or e is None:
+        return found
+    import re
+
+    hits = re.findall(r"pipeline\.errors\.(\w+): (.+)", str(e))
+    kinds = {c.__name__: c for c in (PipelineError, ConfigError, DataError, StallError)}
+    for name, message in reversed(hits):
+        if name in kinds:
+            return kinds[name](message, str(e))
+    return None
+
+
+def _find_object(e: BaseException | None) -> PipelineError | None:
     seen = set()
     stack = [e]
     while stack:

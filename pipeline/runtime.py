@@ -16,6 +16,17 @@ from .config import Config
 LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
+def loopback_only() -> None:
+    """Make the next private Ray this process starts listen on loopback only (see LOOPBACK_ONLY). Ray
+    reads the variable when it is imported, so an already imported Ray gets the same setting directly."""
+    import sys
+
+    os.environ.update(LOOPBACK_ONLY)
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:
+        constants.ENABLE_RAY_CLUSTER = False
+
+
 def init_ray(cfg: Config) -> None:
     """Join the cluster named by run.ray_address, or start a private local one.
 
@@ -36,7 +47,7 @@ def init_ray(cfg: Config) -> None:
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS") or "local"
     if address == "local":
         cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, cfg.train.num_workers + 2)
-        os.environ.update(LOOPBACK_ONLY)  # before Ray starts: its processes inherit it
+        loopback_only()
         ray.init(address="local", num_cpus=cpus, **kwargs)
     else:
         ray.init(address=address, **kwargs)

@@ -1,5 +1,5 @@
 """No open door on the developer's network: while a local job runs, every port its private Ray opened
-listens on loopback only."""
+listens on loopback only (torch.distributed's rendezvous store aside: see the assertion)."""
 
 from __future__ import annotations
 
@@ -58,4 +58,9 @@ def test_a_local_job_listens_on_loopback_only(tmp_path):
     names = {name for name, _, _ in seen}
     assert {"gcs_server", "raylet"} <= names, seen  # the job's own Ray was watched while it ran
     wide = {k: v for k, v in seen.items() if k[1] not in LOOPBACK}
-    assert not wide, f"listening beyond loopback: {wide}"
+    # One exception, not Ray's: torch.distributed's TCPStore (the DDP rendezvous Ray Train starts in
+    # rank 0's worker) binds every interface and torch has no setting to narrow it (README: Security).
+    torch_store = ("ray::RayTrainWorker", "ray::execute._setup_torch_process_group")  # titles of that process
+    store = {port for name, _, port in wide if name.startswith(torch_store)}
+    ray_ports = {k: v for k, v in wide.items() if not k[0].startswith(torch_store)}
+    assert not ray_ports and len(store) <= 1, f"listening beyond loopback: {wide}"
