@@ -351,15 +351,22 @@ def plot(res: dict, path: str) -> None:
 
 
 def add_parser(sub, add_config_flags) -> None:
-    p = sub.add_parser("bench", help="measure this loader against a per-row DataLoader, Ray Data and the memory limit",
+    p = sub.add_parser("bench", help="measure this loader against a per-row DataLoader, Ray Data and the memory limit "
+                                     "(--mode loader), or preprocessing against a hand-written script (--mode preprocess)",
                        description=__doc__)
-    p.add_argument("--rows", type=int, default=2_000_000)
+    p.add_argument("--mode", choices=["loader", "preprocess"], default="loader",
+                   help="preprocess: see `pipeline/bench_preprocess.py` (fit + transform vs a single-process script)")
+    p.add_argument("--rows", type=int, default=None, help="default 2M (loader), 10M (preprocess)")
+    p.add_argument("--shards", type=int, default=32, help="preprocess: files the rows are written in")
+    p.add_argument("--world", type=int, default=2, help="preprocess: ranks whose shares are transformed")
+    p.add_argument("--data", default=None, help="preprocess: where the files are (default data/bench-<rows>)")
     p.add_argument("--features", type=int, default=32)
     p.add_argument("--categorical", type=int, default=4)
     p.add_argument("--batch-sizes", default="256,4096", help="comma-separated")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--budget", type=float, default=3.0, help="seconds per slow measurement")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per method (best kept)")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved repetitions per method, best kept "
+                                                              "(default 3 for loader, 1 for preprocess)")
     p.add_argument("--no-ray", action="store_true", help="skip (b), which starts a local Ray")
     p.add_argument("--out", default="bench.json", help="JSON file with every figure")
     p.add_argument("--plot", default="bench.png", help="PNG bar chart ('' to skip)")
@@ -368,6 +375,16 @@ def add_parser(sub, add_config_flags) -> None:
 
 
 def _cmd(cfg, args) -> int:
+    if args.mode == "preprocess":
+        from . import bench_preprocess
+
+        args.repeats = args.repeats or 1
+        if args.out == "bench.json":
+            args.out = "bench-preprocess.json"
+        if args.plot == "bench.png":
+            args.plot = "bench-preprocess.png"
+        return bench_preprocess.main(args)
+    args.rows, args.repeats = args.rows or 2_000_000, args.repeats or 3
     res = run(args.rows, args.features, args.categorical, [int(b) for b in args.batch_sizes.split(",")],
               args.device, args.budget, not args.no_ray, args.repeats)
     print(table(res))

@@ -17,6 +17,7 @@ from . import config as config_mod
 from .errors import PipelineError, find_pipeline_error
 
 DEFAULT_CONFIG = "configs/demo.toml"
+COMMAND_START = time.time()  # as early as this module is imported: what "after the command started" counts from
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -78,8 +79,9 @@ def cmd_fit(cfg: config_mod.Config, args) -> int:
 def cmd_train(cfg: config_mod.Config, args) -> int:
     from . import runtime, train
 
+    t0 = time.time()
     runtime.init_ray(cfg)
-    summary = train.run(cfg)
+    summary = train.run(cfg, started=COMMAND_START, ray_s=time.time() - t0)
     rows = summary["epochs"]
     metric = rows[0].get("metric", "val") if rows else "val"
     first = summary["targets"][0]

@@ -99,6 +99,46 @@ def alloc_rows(n: int, width: int, *, pin: bool = False, spill_dir: str | None =
     return t
 
 
+class RowWriter:
+    """Packed blocks written straight into a rank's one tensor as they arrive, so a share is held once
+    (plus the block in flight), never as a list of blocks and then a copy of them all. The row count
+    is known up front (the plan says it); a block past it, or too few rows at the end, is an error."""
+
+    def __init__(self, n: int, layout: "Layout | tuple", *, spill_dir: str | None = None, what: str = "rows"):
+        self.layout, self.n, self.spill_dir, self.what = Layout(*layout), n, spill_dir, what
+        self.rows = alloc_rows(n, self.layout.width, spill_dir=spill_dir)
+        self._packed = self.rows.numpy()
+        self.ids = np.empty(n, np.int64)
+        self.extra: dict[str, list[np.ndarray]] = {}
+        self.at = 0
+
+    def add(self, rows: np.ndarray, ids: np.ndarray, extra: dict[str, np.ndarray] | None = None) -> None:
+        k = len(ids)
+        if self.at + k > self.n:
+            from .errors import DataError
+
+            raise DataError(f"received more {self.what} than the {self.n:,} planned; was data.path modified during "
+                            f"the run?")
+        self._packed[self.at:self.at + k] = rows
+        self.ids[self.at:self.at + k] = ids
+        for c, v in (extra or {}).items():
+            self.extra.setdefault(c, []).append(v)
+        self.at += k
+
+    def finish(self, *, sort: bool = True) -> "TabularDataset":
+        if self.at != self.n:
+            from .errors import DataError
+
+            raise DataError(f"received {self.at:,} {self.what} but {self.n:,} were planned; was data.path modified "
+                            f"during the run?")
+        ids = self.ids
+        extra = {c: np.concatenate(v) for c, v in self.extra.items()}
+        ds = TabularDataset(self.rows, self.layout, torch.from_numpy(ids), spill_dir=self.spill_dir, extra=extra)
+        if sort and self.n > 1 and not (ids[1:] > ids[:-1]).all():
+            ds = ds.sorted_by_row_id()
+        return ds
+
+
 class TabularDataset:
     """One rank's rows: packed features, category ids, targets and weight (see module doc), plus row ids."""
 
@@ -151,23 +191,10 @@ class TabularDataset:
         """Concatenate packed blocks [(rows [k, width], row ids [k][, {pass-through column: values}]), ...]
         straight into one tensor (in memory, or memory-mapped from a file in spill_dir: see alloc_rows).
         With sort, rows end up in row-id order, so the result does not depend on the order blocks arrived in."""
-        layout = Layout(*layout)
-        n = sum(len(p[1]) for p in parts)
-        rows = alloc_rows(n, layout.width, spill_dir=spill_dir)
-        packed = rows.numpy()
-        ids = np.empty(n, np.int64)
-        at = 0
-        for block, block_ids, *_ in parts:
-            k = len(block_ids)
-            packed[at:at + k] = block
-            ids[at:at + k] = block_ids
-            at += k
-        names = parts[0][2].keys() if parts and len(parts[0]) > 2 else ()
-        extra = {c: np.concatenate([p[2][c] for p in parts]) for c in names}
-        ds = cls(rows, layout, torch.from_numpy(ids), spill_dir=spill_dir, extra=extra)
-        if sort and n > 1 and not (ids[1:] > ids[:-1]).all():
-            ds = ds.sorted_by_row_id()
-        return ds
+        writer = RowWriter(sum(len(p[1]) for p in parts), layout, spill_dir=spill_dir)
+        for part in parts:
+            writer.add(*part)
+        return writer.finish(sort=sort)
 
     def sorted_by_row_id(self) -> "TabularDataset":
         return self.subset(torch.argsort(self.row_id, stable=True))

@@ -20,6 +20,7 @@ the rank reads them itself with pyarrow. Either way rank r sees exactly the same
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import tempfile
@@ -113,6 +114,14 @@ class IngestPlan:
                 f"[plan] training rows per rank {self.train_sizes}, validation rows per rank {self.val_sizes}, from "
                 f"{[len(self.pieces(r)) for r in range(self.world_size)]} row-group pieces"]
 
+    def save_fit(self, uri: str) -> None:
+        """The fit pass's result, for `prepare(fit_from=uri)` (run.fit_from): the fitted preprocessor, the
+        row accounting, the settings it depends on and a fingerprint of every file (size, modification
+        time, row groups, footer size). Plain JSON."""
+        storage.write_json(uri, {"format": _FIT_FORMAT, "settings": _fit_settings(self.config),
+                                 "files": self.source.fingerprint, "fitted": self.fitted.to_dict(),
+                                 "accounting": self.accounting.to_state()})
+
     def save(self, uri: str) -> None:
         """Pickle the plan to a file or URI (load it with IngestPlan.load in the same code version)."""
         fs, path = storage.filesystem(uri)
@@ -127,6 +136,40 @@ class IngestPlan:
         if fmt != _PLAN_FORMAT:
             raise PipelineError(f"'{uri}' holds {fmt!r}, not {_PLAN_FORMAT!r}; prepare the plan again with this version")
         return plan
+
+
+_FIT_FORMAT = "pipeline.Fit/1"
+
+
+def _fit_settings(cfg: Config) -> dict[str, Any]:
+    """The settings a fit depends on (the data description, quality policies, preprocessing)."""
+    d = cfg.to_dict()
+    return {k: d[k] for k in ("data", "quality", "preprocess")}
+
+
+def load_fit(uri: str, cfg: Config, src: Source) -> tuple[FittedPreprocessor, Accounting]:
+    """A saved fit, after checking it was made from these files with these settings."""
+    try:
+        saved = storage.read_json(uri)
+    except (OSError, ValueError) as e:
+        raise PipelineError(f"cannot read the saved fit '{uri}' (run.fit_from): {e}; point run.fit_from at a fit.json "
+                            f"written by `python -m pipeline fit` or a train run, or leave it empty to fit again") from None
+    if saved.get("format") != _FIT_FORMAT:
+        raise PipelineError(f"'{uri}' is not a saved fit (format {saved.get('format')!r}, expected {_FIT_FORMAT!r})")
+    now = _fit_settings(cfg)
+    changed = [f"{sec}.{k}: {saved['settings'][sec].get(k)!r} then, {v!r} now" for sec, body in now.items()
+               for k, v in body.items() if saved["settings"].get(sec, {}).get(k) != v]
+    files_then = {f[0]: f for f in saved["files"]}
+    files_now = {f[0]: f for f in json.loads(json.dumps(src.fingerprint))}
+    diff = sorted(set(files_then) ^ set(files_now)) + sorted(p for p in files_then.keys() & files_now.keys()
+                                                               if files_then[p] != files_now[p])
+    if changed or diff:
+        what = "; ".join(([f"settings changed ({', '.join(changed[:4])})"] if changed else [])
+                         + ([f"{len(diff)} files were added, removed or changed since (first: {', '.join(diff[:3])})"]
+                            if diff else []))
+        raise PipelineError(f"the saved fit '{uri}' does not describe this data: {what}. Its statistics and row counts "
+                            f"would be wrong; fit again (leave run.fit_from empty) or restore the data and settings")
+    return FittedPreprocessor.from_dict(saved["fitted"]), Accounting.from_state(saved["accounting"])
 
 
 def build_config(config: Config | str | Path | None = None, path: str | None = None, **settings: Any) -> Config:
@@ -170,7 +213,8 @@ def _ray_ready() -> bool:
 
 
 def prepare(path: str | None = None, *, world_size: int | None = None, config: Config | str | Path | None = None,
-            fitted: FittedPreprocessor | str | None = None, use_ray: bool | None = None, **data: Any) -> IngestPlan:
+            fitted: FittedPreprocessor | str | None = None, fit_from: str | None = None, use_ray: bool | None = None,
+            **data: Any) -> IngestPlan:
     """Validate the shards, fit the preprocessing in one pass, and plan every rank's share.
 
     path: a directory or URI of Parquet shards (or data.path of `config`). Describe the data with
@@ -178,8 +222,9 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
     on_bad_value=, ...: any data/quality/preprocess key) or a TOML `config`; features left unnamed
     are inferred from the schema. world_size: the number of training ranks (default: torch.distributed's
     world size, else $WORLD_SIZE, else 1). fitted: a FittedPreprocessor (or its JSON path) to use
-    instead of the one this pass fits, e.g. when resuming. use_ray: run the fit pass on Ray (default:
-    when Ray is initialised)."""
+    instead of the one this pass fits, e.g. when resuming. fit_from: a fit.json (IngestPlan.save_fit)
+    to reuse instead of the fit pass, refused in one paragraph when the files or the data, quality or
+    preprocess settings changed since. use_ray: run the fit pass on Ray (default: when Ray is initialised)."""
     cfg = build_config(config, path, **data)
     world = world_size or _default_world()
     t0 = time.perf_counter()
@@ -192,9 +237,17 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
     else:
         from . import local_side as side  # type: ignore[no-redef]
     t1 = time.perf_counter()
-    total, acct = merge_fit(side.fit_records(src, spec, cfg.run.stall_timeout_s), src)
-    fit_s = time.perf_counter() - t1
-    if total.rows == 0:
+    reuse = fit_from or cfg.run.fit_from
+    saved = load_fit(reuse, cfg, src) if reuse else None
+    if saved is not None:
+        fitted, acct = fitted or saved[0], saved[1]
+        on_ray, fit_s = False, 0.0
+        total_rows = acct.rows_used
+    else:
+        total, acct = merge_fit(side.fit_records(src, spec, cfg.run.stall_timeout_s), src)
+        fit_s = time.perf_counter() - t1
+        total_rows = total.rows
+    if total_rows == 0:
         set_aside = f"; set aside: {list_reasons(acct.quarantined)}" if acct.quarantined else ""
         raise NoUsableRows(f"no usable rows under '{src.uri}': {acct.summary()}{set_aside}. Fix the data or the quality "
                            f"policy (quality.on_bad_value, quality.label_values)", acct.manifest_jsonl())
@@ -209,7 +262,8 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
     plan = IngestPlan(cfg, src, fitted, acct, world,
                       plan_shares(src.fragments, train_counts, world, whole=cfg.train.shuffle == "global"),
                       plan_shares(src.fragments, val_counts, world, val=True),
-                      {"validate_s": t1 - t0, "fit_s": fit_s, "fit_on": "Ray" if on_ray else "this process"})
+                      {"validate_s": t1 - t0, "fit_s": fit_s, "planned_at": time.time(),
+                       "fit_on": f"reused {reuse}" if saved else "Ray" if on_ray else "this process"})
     if min(plan.train_sizes) == 0:
         raise DataError(f"{world} ranks but only {plan.train_rows:,} training rows: ranks "
                         f"{[r for r, n in enumerate(plan.train_sizes) if n == 0]} would get none; use fewer ranks")
@@ -340,7 +394,6 @@ def rank_data(plan: IngestPlan, *, batch_size: int | None = None, seed: int | No
     else the CPU. Every rank runs the same number of steps per epoch (the plan knows every rank's size)."""
     import torch
 
-    from .dataset import Layout, TabularDataset
     from .loader import DeviceLoader
     from .sampler import BatchSampler
 
@@ -356,34 +409,18 @@ def rank_data(plan: IngestPlan, *, batch_size: int | None = None, seed: int | No
     batch_size, seed = batch_size or t.batch_size, t.seed if seed is None else seed
     drop_last = t.drop_last if drop_last is None else drop_last
     shuffle = t.shuffle != "none" if shuffle is None else shuffle
-    planned = (plan.train_rows if plan.global_shuffle else plan.train_sizes[r], plan.val_sizes[r])
-    read_here = ""
+    iterator, ranks_on_node, read_here = None, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), ""
     if launcher == "ray":
         import ray.train
 
-        from . import local_side, ray_side
+        from . import ray_side
 
         ranks_on_node = ray.train.get_context().get_local_world_size()
         if ray_side.cpus()[0] >= 1:
-            train_parts, val_parts, local, secs = ray_side.receive(
-                ray.train.get_dataset_shard(ray_side.DATASET), r, sum(planned), cfg.run.stall_timeout_s)
+            iterator = ray.train.get_dataset_shard(ray_side.DATASET)
         else:  # the training workers hold every CPU: a Ray Data task would wait forever, so read here
-            train_parts, val_parts, local, secs = local_side.read_share(plan, r)
             read_here = " (read in this worker: the cluster has no CPU free for Ray Data tasks)"
-    else:
-        from . import local_side
-
-        train_parts, val_parts, local, secs = local_side.read_share(plan, r)
-        ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    layout = Layout(f.num_features, len(f.categorical), len(f.targets), 1 if f.weight else 0)
-    got = (sum(len(p[1]) for p in train_parts), sum(len(p[1]) for p in val_parts))
-    if got != planned:
-        raise DataError(f"rank {r} received {got[0]:,} training and {got[1]:,} validation rows but its planned share is "
-                        f"{planned[0]:,} and {planned[1]:,}; was data.path modified during the run?")
-    spill_dir, where = spill_dir_for(cfg, sum(got), layout.width, ranks_on_node)
-    train = TabularDataset.from_parts(train_parts, layout, spill_dir=spill_dir)
-    del train_parts
-    val = TabularDataset.from_parts(val_parts, layout, spill_dir=spill_dir)
+    train, val, local, secs, where = read_rank(plan, r, iterator, ranks_on_node)
     sizes = plan.train_sizes
     sampler = BatchSampler(sizes[r], batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=r,
                            rank_sizes=sizes, global_rows=plan.train_rows if plan.global_shuffle else None)
@@ -392,3 +429,31 @@ def rank_data(plan: IngestPlan, *, batch_size: int | None = None, seed: int | No
                           device_memory_fraction=cfg.loader.device_memory_fraction,
                           chunk_bytes=int(cfg.loader.chunk_mib * 2**20))
     return RankData(plan, r, w, launcher, device, train, val, loader, local, secs, where + read_here)
+
+
+def read_rank(plan: IngestPlan, rank: int, iterator=None, ranks_on_node: int = 1):
+    """(training TabularDataset, validation TabularDataset, rows transformed on this node or in this
+    process, seconds, where the rows live): rank's share from a Ray DataIterator (the plan's DataConfig
+    made it) or, without one, read in this process; each block is written straight into the rank's
+    packed tensors as it arrives, whose sizes the plan knows up front."""
+    from .dataset import Layout, RowWriter
+
+    cfg, f = plan.config, plan.fitted
+    layout = Layout(f.num_features, len(f.categorical), len(f.targets), 1 if f.weight else 0)
+    planned = (plan.train_rows if plan.global_shuffle else plan.train_sizes[rank], plan.val_sizes[rank])
+    spill_dir, where = spill_dir_for(cfg, sum(planned), layout.width, ranks_on_node)
+    writers = {val: RowWriter(n, layout, spill_dir=spill_dir, what=f"{'validation' if val else 'training'} rows for "
+                                                                   f"rank {rank}") for val, n in zip((False, True), planned)}
+
+    def sink(part, val: bool) -> None:
+        writers[val].add(*part)
+
+    if iterator is not None:
+        from . import ray_side
+
+        local, secs = ray_side.receive(iterator, sink, rank, sum(planned), cfg.run.stall_timeout_s)
+    else:
+        from . import local_side
+
+        local, secs = local_side.read_share(plan, rank, sink)
+    return writers[False].finish(), writers[True].finish(), local, secs, where

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 from . import tasks
 
@@ -16,18 +17,20 @@ def _threads(n: int) -> int:
 
 
 def fit_records(source, spec: tasks.ReadSpec, stall_s: float = 0.0) -> list[tuple]:
-    frags = list(source.fragments)
-    with ThreadPoolExecutor(_threads(len(frags))) as pool:
-        return list(pool.map(lambda f: tasks.fit_fragment(spec, f), frags))
+    groups = tasks.fragment_groups(source.fragments)
+    with ThreadPoolExecutor(_threads(len(groups))) as pool:
+        return [r for records in pool.map(lambda g: tasks.fit_group(spec, g), groups) for r in records]
 
 
-def read_share(plan, rank: int):
-    """(training parts, validation parts, rows read here, seconds): this rank's pieces, read and
-    transformed in this process (the same parts ray_side.receive returns)."""
+def read_share(plan, rank: int, sink: Callable[[tasks.Part, bool], None]) -> tuple[int, float]:
+    """This rank's pieces, read and transformed in this process, handed to sink(part, is_validation) in
+    piece order as they complete (the same parts ray_side.receive hands on); returns (rows, seconds)."""
     t0 = time.perf_counter()
-    pieces = plan.pieces(rank)
-    with ThreadPoolExecutor(_threads(len(pieces))) as pool:
-        parts = list(pool.map(lambda p: tasks.transform_piece(plan.spec, plan.fitted, p), pieces))
-    train = [part for p, part in zip(pieces, parts) if not p.val and len(part[1])]
-    val = [part for p, part in zip(pieces, parts) if p.val and len(part[1])]
-    return train, val, sum(len(part[1]) for part in parts), time.perf_counter() - t0
+    groups = tasks.piece_groups(plan.pieces(rank))
+    rows = 0
+    with ThreadPoolExecutor(_threads(len(groups))) as pool:
+        for group, parts in zip(groups, pool.map(lambda g: tasks.transform_group(plan.spec, plan.fitted, g), groups)):
+            for p, part in zip(group, parts):
+                rows += len(part[1])
+                sink(part, p.val)
+    return rows, time.perf_counter() - t0

@@ -167,6 +167,17 @@ class Accounting:
                 "quarantined_entries": len(self.quarantined), "unknown_row_files": self.unknown_row_files,
                 "balanced": self.balanced}
 
+    def to_state(self) -> dict[str, Any]:
+        """Everything, for a saved fit (from_state rebuilds it)."""
+        return {"rows_read": self.rows_read, "rows_used": self.rows_used, "dropped": dict(self.dropped),
+                "quarantined": self.quarantined, "unknown_row_files": self.unknown_row_files,
+                "used_by_fragment": [[k, *v] for k, v in sorted(self.used_by_fragment.items())]}
+
+    @classmethod
+    def from_state(cls, d: dict[str, Any]) -> "Accounting":
+        return cls(d["rows_read"], d["rows_used"], Counter(d["dropped"]), list(d["quarantined"]), d["unknown_row_files"],
+                   {k: (a, b) for k, a, b in d["used_by_fragment"]})
+
     def manifest_jsonl(self) -> str:
         import json
 

@@ -72,12 +72,14 @@ def watched(items: Iterable, stall_s: float, waiting_for: Callable[[], str]) -> 
 
 
 def fit_records(source, spec: tasks.ReadSpec, stall_s: float = 300.0) -> list[tuple]:
-    """tasks.fit_fragment over every fragment, one Ray Data task per fragment, in fragment order."""
+    """tasks.fit_fragment over every fragment, one Ray Data task per group of a file's row groups (see
+    tasks.by_file), records in fragment order."""
 
     def fit_batch(batch: pa.Table) -> dict[str, np.ndarray]:
-        return {"record": np.array([pickle.dumps(tasks.fit_fragment(spec, f)) for f in _objs(batch)], dtype=object)}
+        return {"record": np.array([pickle.dumps(r) for group in _objs(batch) for r in tasks.fit_group(spec, group)],
+                                   dtype=object)}
 
-    ds = _items(list(source.fragments)).map_batches(fit_batch, batch_format="pyarrow", batch_size=1)
+    ds = _items(tasks.fragment_groups(source.fragments)).map_batches(fit_batch, batch_format="pyarrow", batch_size=1)
     out: list[tuple] = []
 
     def waiting() -> str:
@@ -104,15 +106,16 @@ def share_dataset(spec: tasks.ReadSpec, fitted, pieces: list, node_id: str | Non
     def read_transform(batch: pa.Table) -> dict[str, np.ndarray]:
         here = node_id is not None and ray.get_runtime_context().get_node_id() == node_id
         parts, vals = [], []
-        for p in _objs(batch):
-            parts.append(tasks.transform_piece(spec, fitted, p))
-            vals.append(np.full(len(parts[-1][1]), p.val))
+        for group in _objs(batch):
+            for p, part in zip(group, tasks.transform_group(spec, fitted, group)):
+                parts.append(part)
+                vals.append(np.full(len(part[1]), p.val))
         out = tasks.concat(parts, fitted, spec)
         out["val"] = np.concatenate(vals) if vals else np.empty(0, bool)
         out["local"] = np.full(len(out["row_id"]), here)
         return out
 
-    ds = _items(pieces)
+    ds = _items(tasks.piece_groups(pieces))
     if node_id is None:
         return ds.map_batches(read_transform, batch_format="pyarrow", batch_size=1)
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -179,16 +182,15 @@ def placeholder():
     return ray.data.from_items([{"placeholder": 0}])
 
 
-def receive(iterator, rank: int = 0, expected: int = 0, stall_s: float = 300.0
-            ) -> tuple[list[tasks.Part], list[tasks.Part], int, float]:
-    """This rank's blocks from its DataIterator, split into (training, validation) lists of parts
-    (packed rows, row ids, pass-through columns), plus how many rows were transformed on this node and
-    the seconds taken. No block for stall_s seconds: a StallError saying what it waited for."""
+def receive(iterator, sink: Callable[[tasks.Part, bool], None], rank: int = 0, expected: int = 0,
+            stall_s: float = 300.0) -> tuple[int, float]:
+    """Hand each block of this rank's DataIterator to sink(part, is_validation) as it arrives (parts:
+    packed rows, row ids, pass-through columns); returns how many rows were transformed on this node
+    and the seconds taken. No block for stall_s seconds: a StallError saying what it waited for."""
     t0 = time.perf_counter()
-    train, val, local = [], [], 0
+    got = local = 0
 
     def waiting() -> str:
-        got = sum(len(p[1]) for p in train + val)
         free, total = cpus()
         return (f"rank {rank} received no rows of its share for {stall_s:.0f}s ({got:,} of {expected:,} so far): the Ray "
                 f"Data tasks that read and transform it are not running. The cluster has {free:g} of {total:g} CPUs "
@@ -199,13 +201,14 @@ def receive(iterator, rank: int = 0, expected: int = 0, stall_s: float = 300.0
     for b in watched(blocks, stall_s, waiting):
         if not len(b["row_id"]):
             continue
+        got += len(b["row_id"])
         local += int(b["local"].sum())
         is_val = b["val"]
         extra = {k[len(tasks.EXTRA):]: v for k, v in b.items() if k.startswith(tasks.EXTRA)}
-        for want, dest in ((False, train), (True, val)):
+        for want in (False, True):
             sel = is_val == want
-            if sel.all():
-                dest.append((b["rows"], b["row_id"], extra))
+            if sel.all():  # a block is one piece, all training or all validation rows: no copy
+                sink((b["rows"], b["row_id"], extra), want)
             elif sel.any():
-                dest.append((b["rows"][sel], b["row_id"][sel], {k: v[sel] for k, v in extra.items()}))
-    return train, val, local, time.perf_counter() - t0
+                sink((b["rows"][sel], b["row_id"][sel], {k: v[sel] for k, v in extra.items()}), want)
+    return local, time.perf_counter() - t0

@@ -12,6 +12,7 @@ and the split across ranks a pure function of the data layout.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -55,6 +56,13 @@ class Shard:
     size_bytes: int
     schema: pa.Schema
     partition: tuple[tuple[str, str | None], ...] = ()
+    mtime_ns: int | None = None
+    footer_bytes: int = 0
+
+    @property
+    def fingerprint(self) -> list:
+        """What a saved fit checks to know the file is the one it fitted (see ingest.prepare's fit_from)."""
+        return [self.path, self.size_bytes, self.mtime_ns, self.num_rows, list(self.row_group_rows), self.footer_bytes]
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,10 @@ class Source:
     @property
     def num_rows(self) -> int:
         return sum(s.num_rows for s in self.shards)
+
+    @property
+    def fingerprint(self) -> list:
+        return [s.fingerprint for s in self.shards] + [[b.path, b.rows, b.reason] for b in self.bad_files]
 
     @property
     def quarantined_rows(self) -> int:
@@ -147,7 +159,11 @@ def _footer(fs, path: str, root: str) -> Shard | BadFile:
             return BadFile(path, f"encrypted Parquet file ({e}): {_NEEDS_KEYS}", None)
         return BadFile(path, f"unreadable Parquet footer ({e})", None)
     groups = tuple(md.row_group(g).num_rows for g in range(md.num_row_groups))
-    return Shard(path, md.num_rows, groups, size, schema, partition_of(path, root))
+    try:
+        mtime = fs.get_file_info(path).mtime_ns
+    except (OSError, pa.ArrowException):
+        mtime = None
+    return Shard(path, md.num_rows, groups, size, schema, partition_of(path, root), mtime, md.serialized_size)
 
 
 def column_types(shard: Shard) -> dict[str, str]:
@@ -334,16 +350,37 @@ def statistics_problem(rg, table: pa.Table) -> str | None:
     return None
 
 
-def read_fragment(uri: str, frag: Fragment, columns: list[str]) -> pa.Table:
-    """Read one row group, only the named columns (column pushdown), with page checksums verified where
-    the writer stored them; partition keys named in `columns` come from the path."""
+@contextlib.contextmanager
+def opened(uri: str, path: str):
+    """The file as a ParquetFile (page checksums verified where the writer stored them), opened once
+    for every row group a task reads from it; None when it cannot be opened, and each read then opens
+    it itself and reports why for its own row group."""
     fs, _ = storage.filesystem(uri)
-    part = dict(frag.partition)
-    with fs.open_input_file(frag.path) as f:
+    try:
+        f = fs.open_input_file(path)
         pf = pq.ParquetFile(f, page_checksum_verification=True)
-        names = set(pf.schema_arrow.names)
-        table = pf.read_row_group(frag.row_group, columns=[c for c in columns if c in names])
-        problem = statistics_problem(pf.metadata.row_group(frag.row_group), table)
+    except (OSError, pa.ArrowException):
+        yield None
+        return
+    with f:
+        yield pf
+
+
+def read_fragment(uri: str, frag: Fragment, columns: list[str], pf: pq.ParquetFile | None = None) -> pa.Table:
+    """Read one row group, only the named columns (column pushdown), with page checksums verified where
+    the writer stored them, from `pf` (see opened) or the file; partition keys named in `columns` come
+    from the path."""
+    if pf is None:
+        with opened(uri, frag.path) as pf:
+            if pf is None:  # open it again without the guard, for the error itself
+                fs, _ = storage.filesystem(uri)
+                with fs.open_input_file(frag.path) as f:
+                    pq.ParquetFile(f)
+            return read_fragment(uri, frag, columns, pf)
+    part = dict(frag.partition)
+    names = set(pf.schema_arrow.names)
+    table = pf.read_row_group(frag.row_group, columns=[c for c in columns if c in names])
+    problem = statistics_problem(pf.metadata.row_group(frag.row_group), table)
     if problem:
         raise DamagedRowGroup(f"decoded values disagree with the footer's statistics ({problem})")
     for c in columns:

@@ -19,7 +19,7 @@ from .errors import DataError
 from .plan import Piece, holdout_mask
 from .preprocess import FittedPreprocessor, PartialStats, partial_stats
 from .quality import Accounting, screen
-from .source import DamagedRowGroup, Fragment, Source, read_fragment
+from .source import DamagedRowGroup, Fragment, Source, opened, read_fragment
 
 ROW_ID = "__row_id"
 
@@ -36,11 +36,11 @@ class ReadSpec:
     val_seed: int = 0
 
 
-def read(spec: ReadSpec, frag: Fragment) -> pa.Table | dict:
+def read(spec: ReadSpec, frag: Fragment, pf=None) -> pa.Table | dict:
     """The fragment's rows with their global row ids, or (on_bad_file = quarantine) a manifest entry
-    saying why not."""
+    saying why not. pf: the file, already open (source.opened)."""
     try:
-        table = read_fragment(spec.uri, frag, spec.columns.read)
+        table = read_fragment(spec.uri, frag, spec.columns.read, pf)
     except (OSError, pa.ArrowException) as e:
         rows = f"rows {frag.file_row_start}-{frag.file_row_start + frag.num_rows - 1}"
         text = str(e).lower()
@@ -60,8 +60,8 @@ def read(spec: ReadSpec, frag: Fragment) -> pa.Table | dict:
     return table.append_column(ROW_ID, pa.array(np.arange(frag.row_start, frag.row_start + frag.num_rows)))
 
 
-def _kept(spec: ReadSpec, frag: Fragment, fitted=None) -> tuple[pa.Table | None, Counter, dict | None]:
-    table = read(spec, frag)
+def _kept(spec: ReadSpec, frag: Fragment, fitted=None, pf=None) -> tuple[pa.Table | None, Counter, dict | None]:
+    table = read(spec, frag, pf)
     if isinstance(table, dict):
         return None, Counter(), table
     kept, dropped = screen(table, frag, spec.columns, spec.on_bad_value, fitted)
@@ -72,12 +72,12 @@ def _is_val(spec: ReadSpec, kept: pa.Table) -> np.ndarray:
     return holdout_mask(kept[ROW_ID].to_numpy(), spec.val_fraction, spec.val_seed)
 
 
-def fit_fragment(spec: ReadSpec, frag: Fragment) -> tuple:
+def fit_fragment(spec: ReadSpec, frag: Fragment, pf=None) -> tuple:
     """(row_start, rows, partial statistics or None, dropped counts, quarantine entry or None,
     (training rows, validation rows)); or (row_start, message, details) when the run must stop. Statistics
     are of the training rows only, so validation rows never leak into the fit."""
     try:
-        kept, dropped, quarantine = _kept(spec, frag)
+        kept, dropped, quarantine = _kept(spec, frag, pf=pf)
         if kept is None:
             return frag.row_start, frag.num_rows, None, dropped, quarantine, (0, 0)
         val = _is_val(spec, kept)
@@ -89,6 +89,45 @@ def fit_fragment(spec: ReadSpec, frag: Fragment) -> tuple:
         return frag.row_start, str(e), e.details
     except Exception as e:  # noqa: BLE001 - anything else still reaches the user as one paragraph
         return frag.row_start, str(unexpected(e, frag)), traceback.format_exc()
+
+
+GROUP_ROWS = 1 << 19  # a task reads up to this many rows of one file: few tasks, each opening its file once
+
+
+def by_file(items: list, path_of, rows_of, same=lambda a, b: True) -> list[list]:
+    """Consecutive items of the same file (and `same` otherwise) in groups of up to GROUP_ROWS rows,
+    order kept: one task per group reads the file's footer once instead of once per row group."""
+    groups: list[list] = []
+    rows = 0
+    for it in items:
+        g = groups[-1] if groups else None
+        if g and path_of(g[-1]) == path_of(it) and same(g[-1], it) and rows + rows_of(it) <= GROUP_ROWS:
+            g.append(it)
+            rows += rows_of(it)
+        else:
+            groups.append([it])
+            rows = rows_of(it)
+    return groups
+
+
+def fit_group(spec: ReadSpec, frags: list[Fragment]) -> list[tuple]:
+    """fit_fragment over fragments of one file, opened once."""
+    with opened(spec.uri, frags[0].path) as pf:
+        return [fit_fragment(spec, f, pf) for f in frags]
+
+
+def fragment_groups(fragments) -> list[list[Fragment]]:
+    return by_file(list(fragments), lambda f: f.path, lambda f: f.num_rows)
+
+
+def piece_groups(pieces) -> list[list[Piece]]:
+    """A rank's pieces by file, never mixing training and validation pieces in one group."""
+    return by_file(list(pieces), lambda p: p.fragment.path, lambda p: p.rows, lambda a, b: a.val == b.val)
+
+
+def transform_group(spec: ReadSpec, fitted: FittedPreprocessor, pieces: list[Piece]) -> list[Part]:
+    with opened(spec.uri, pieces[0].fragment.path) as pf:
+        return [transform_piece(spec, fitted, p, pf) for p in pieces]
 
 
 def merge_fit(records: list[tuple], source: Source) -> tuple[PartialStats, Accounting]:
@@ -119,20 +158,20 @@ def unexpected(e: BaseException, frag: Fragment) -> DataError:
                      f"traceback, and rewrite the file or report it", traceback.format_exc())
 
 
-def transform_piece(spec: ReadSpec, fitted: FittedPreprocessor, piece: Piece) -> Part:
+def transform_piece(spec: ReadSpec, fitted: FittedPreprocessor, piece: Piece, pf=None) -> Part:
     """(packed float32 rows [k, fitted.width], global row ids [k], pass-through columns) of one piece,
     written straight into the training layout."""
     try:
-        return _transform_piece(spec, fitted, piece)
+        return _transform_piece(spec, fitted, piece, pf)
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001
         raise unexpected(e, piece.fragment) from None
 
 
-def _transform_piece(spec: ReadSpec, fitted: FittedPreprocessor, piece: Piece) -> Part:
+def _transform_piece(spec: ReadSpec, fitted: FittedPreprocessor, piece: Piece, pf=None) -> Part:
     f = piece.fragment
-    kept, _, quarantine = _kept(spec, f)
+    kept, _, quarantine = _kept(spec, f, pf=pf)
     if kept is None:  # readable during fit, not now: the data changed under the run
         raise DataError(f"'{f.path}' row group {f.row_group} could be read during fit but not now "
                         f"({quarantine['reason']}); do not modify data.path while a run is in progress")

@@ -30,6 +30,7 @@ from pipeline.metrics import StepStats, timed
 CHECKPOINT_FILE = "state.pt"
 PREPROCESSOR_FILE = "preprocessor.json"
 QUARANTINE_FILE = "quarantine.jsonl"
+FIT_FILE = "fit.json"
 
 
 def head_widths(fitted: "pipeline.FittedPreprocessor") -> list[int]:
@@ -194,11 +195,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
     from pipeline.runtime import quiet_ray_data
 
     quiet_ray_data(progress=False)
+    clock = {"loop_start": time.time()}  # wall-clock times (the driver compares them with the command's start)
     plan = loop_config["plan"]
     cfg, fitted = plan.config, plan.fitted
     data = pipeline.rank_data(plan)
     rank, world, device, loader = data.rank, data.world_size, data.device, data.loader
     print(data.describe(), flush=True)
+    clock["data_ready"] = time.time()
     t = cfg.train
     node_ids = _all_gather(ray.get_runtime_context().get_node_id())  # where each rank runs, by rank
     local_rows = [int(v) for v in _all_gather(data.rows_local)]
@@ -248,6 +251,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+            if "first_step" not in clock:
+                loss.item()  # the step's work is done (on a GPU too) before the time is taken, once
+                clock["first_step"] = time.time()
             loss_sum += loss.detach()  # no .item() per step: that would sync the GPU every batch
             step = loader.delivered  # batches of this epoch so far (no dict built per step)
             if trace is not None:
@@ -269,7 +275,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
              stats.data_wait_s + carried[3], stats.total_s + carried[4]], device)
         metrics = {"epoch": epoch + 1, "train_loss": loss_total / max(1, steps), "rows": int(rows),
                    "rows_per_s": rows / max(wall, 1e-9), "data_wait_pct": 100.0 * wait / max(busy, 1e-9),
-                   "epoch_s": wall, "node_ids": node_ids, "share_rows": share_rows, "share_rows_local": local_rows,
+                   "epoch_s": wall, "node_ids": node_ids, "clock": dict(clock), "share_rows": share_rows, "share_rows_local": local_rows,
                    **evaluate(model, data.val, fitted, device)}
         history.append(metrics)
         if rank == 0:
@@ -348,15 +354,35 @@ def prepare_run(cfg: Config, out_uri: str, world_size: int) -> "pipeline.IngestP
         print(f"[fit] resuming: using the preprocessor fitted earlier, {saved}", flush=True)
     else:
         plan.fitted.save(saved)
+    fit_json = storage.join(out_uri, FIT_FILE)
+    plan.save_fit(fit_json)  # `--run.fit_from` this file skips the fit pass next time, while the data is unchanged
     if plan.accounting.quarantined:
         storage.write_text(manifest, plan.accounting.manifest_jsonl())
     lines = plan.describe()
     lines[2] += f"; manifest {manifest}" if plan.accounting.quarantined else ""
-    print("\n".join(lines) + f"\n[fit] saved {saved}", flush=True)
+    print("\n".join(lines) + f"\n[fit] saved {saved} and {fit_json} (reuse it with --run.fit_from)", flush=True)
     return plan
 
 
-def run(cfg: Config) -> dict[str, Any]:
+def first_step_line(started: float, ray_s: float, plan, history: list) -> tuple[str, dict]:
+    """'[time] first training step N s after the command started: ...' and its figures. started: the
+    command's wall-clock start; the workers' clock marks come from rank 0's first epoch."""
+    clock = history[0].get("clock", {}) if history else {}
+    if "first_step" not in clock:
+        return "", {}
+    t = plan.timings
+    stages = {"start Ray": ray_s, "validate": t["validate_s"], "fit pass": t["fit_s"],
+              "plan + start the training workers": clock["loop_start"] - t["planned_at"],
+              "read this rank's share": clock["data_ready"] - clock["loop_start"],
+              "first step (model, DDP, one batch)": clock["first_step"] - clock["data_ready"]}
+    total = clock["first_step"] - started
+    stages["other (imports, config)"] = total - sum(stages.values())
+    line = (f"[time] first training step {total:.1f}s after the command started: "
+            + ", ".join(f"{k} {v:.1f}s" for k, v in stages.items()))
+    return line, {"total_s": round(total, 2), **{k: round(v, 2) for k, v in stages.items()}}
+
+
+def run(cfg: Config, started: float | None = None, ray_s: float = 0.0) -> dict[str, Any]:
     """The whole job; returns the summary that is also written to <output>/<name>/metrics.json."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -369,6 +395,7 @@ def run(cfg: Config) -> dict[str, Any]:
     name = run_name(cfg)
     out_uri = storage.join(cfg.run.output, name)
     t_start = time.perf_counter()
+    started = started or time.time()
     check_resume(cfg, out_uri)
     plan = prepare_run(cfg, out_uri, cfg.train.num_workers)
     acct = plan.accounting
@@ -402,5 +429,9 @@ def run(cfg: Config) -> dict[str, Any]:
                "checkpoint": storage.to_uri(result.checkpoint.filesystem, result.checkpoint.path) if result.checkpoint else None,
                "preprocessor": storage.join(out_uri, PREPROCESSOR_FILE), "use_gpu": use_gpu,
                "wall_s": round(time.perf_counter() - t_start, 2)}
+    line, figures = first_step_line(started, ray_s, plan, history) if not cfg.run.resume else ("", {})
+    if line:
+        print(line, flush=True)
+        summary["time_to_first_step"] = figures
     storage.write_json(storage.join(out_uri, "metrics.json"), summary)
     return summary

@@ -244,5 +244,6 @@ def test_a_row_group_damaged_after_the_fit_reaches_the_rank_as_one_paragraph(tmp
     data[start:start + 64] = bytes(64)
     open(path, "wb").write(bytes(data))
     with pytest.raises(pipeline.DataError) as e:
-        ray_side.receive(ray_side.share_dataset(plan.spec, plan.fitted, plan.pieces(0)).iterator(), 0, ROWS, 60)
+        ray_side.receive(ray_side.share_dataset(plan.spec, plan.fitted, plan.pieces(0)).iterator(),
+                         lambda part, val: None, 0, ROWS, 60)
     assert path in str(e.value) and "row group 0" in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -38,6 +38,12 @@ def layouts(tmp_path_factory):
 _PLANS = {}
 
 
+def collector():
+    """([training parts], [validation parts]) and the sink that fills them."""
+    out = ([], [])
+    return out, lambda part, val: out[val].append(part) if len(part[1]) else None
+
+
 def shares_through_ray(path, world, whole=False, val_fraction=0.0):
     """(training row ids, validation row ids) each rank receives from the real Ray Train split
     (DataConfig.configure) of the real data, each rank's tasks pinned to this (the only) node; checks
@@ -57,10 +63,12 @@ def shares_through_ray(path, world, whole=False, val_fraction=0.0):
     its = ray_side.data_config(plan, cpus_per_worker=0).configure({}, world, None, [node] * world)
     out = []
     for r, it in enumerate(its):
-        train, val, local, _ = ray_side.receive(it[ray_side.DATASET])
+        (train, val), sink = collector()
+        local, _ = ray_side.receive(it[ray_side.DATASET], sink)
         assert local == sum(len(p[1]) for p in train + val)  # transformed on the rank's node
         ids = [np.concatenate([p[1] for p in parts]) if parts else np.empty(0, np.int64) for parts in (train, val)]
-        l_train, l_val, _, _ = local_side.read_share(plan, r)
+        (l_train, l_val), sink = collector()
+        local_side.read_share(plan, r, sink)
         for parts, ray_ids in zip((l_train, l_val), ids):  # the same rows, the same packed values, without Ray
             assert np.array_equal(np.concatenate([p[1] for p in parts]) if parts else np.empty(0), ray_ids)
         np.testing.assert_array_equal(np.concatenate([p[0] for p in train]), np.concatenate([p[0] for p in l_train]))

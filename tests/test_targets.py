@@ -212,3 +212,21 @@ def test_prepare_keywords_are_checked_and_configs_compose(tmp_path):
     assert max(sizes) - min(sizes) <= 1 and max(plan.val_sizes) - min(plan.val_sizes) <= 1
     with pytest.raises(pipeline.PipelineError, match="made for world_size=3"):
         pipeline.rank_data(plan, rank=0, world_size=2)
+
+
+def test_a_saved_fit_is_reused_while_the_data_is_unchanged_and_refused_after(tmp_path):
+    import os
+
+    path = write(tmp_path, pa.table(base()))
+    first = pipeline.prepare(path, label="reg", numeric=["x"], world_size=2)
+    fit = str(tmp_path / "fit.json")
+    first.save_fit(fit)
+    again = pipeline.prepare(path, label="reg", numeric=["x"], world_size=3, fit_from=fit)
+    assert again.fitted == first.fitted and again.timings["fit_on"] == f"reused {fit}" and again.timings["fit_s"] == 0
+    assert again.accounting.as_dict() == first.accounting.as_dict() and sum(again.train_sizes) == sum(first.train_sizes)
+    with pytest.raises(pipeline.PipelineError, match=r"settings changed \(data.numeric"):
+        pipeline.prepare(path, label="reg", numeric=["x", "z"], fit_from=fit)
+    f0 = os.path.join(path, "part-0.parquet")
+    pq.write_table(pq.read_table(f0).slice(0, 10), f0)  # the data changed under the saved fit
+    with pytest.raises(pipeline.PipelineError, match="1 files were added, removed or changed since"):
+        pipeline.prepare(path, label="reg", numeric=["x"], fit_from=fit)
