@@ -360,6 +360,8 @@ def add_parser(sub, add_config_flags) -> None:
     p.add_argument("--shards", type=int, default=32, help="preprocess: files the rows are written in")
     p.add_argument("--world", type=int, default=2, help="preprocess: ranks whose shares are transformed")
     p.add_argument("--data", default=None, help="preprocess: where the files are (default data/bench-<rows>)")
+    p.add_argument("--read-share", choices=["worker", "ray_data"], default="worker",
+                   help="preprocess: who reads each rank's share (loader.read_share)")
     p.add_argument("--features", type=int, default=32)
     p.add_argument("--categorical", type=int, default=4)
     p.add_argument("--batch-sizes", default="256,4096", help="comma-separated")

@@ -133,6 +133,10 @@ class LoaderSection(_Section):
         "auto", description="keep a rank's rows in a memory-mapped file on local disk instead of RAM: always, never, "
                             "or auto (when the rows need more than half of the node's available memory)")
     spill_dir: str = Field("", description="local directory for spilled rows (default: the system temp dir)")
+    read_share: Literal["worker", "ray_data"] = Field(
+        "worker", description="under Ray Train, who reads and transforms a rank's share: worker (its own training "
+                              "process, with threads: no Ray task, nothing crosses the network; about 2x faster "
+                              "measured) or ray_data (Ray Data tasks on the rank's node, through the DataConfig)")
 
 
 class RunSection(_Section):

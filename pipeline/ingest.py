@@ -416,7 +416,9 @@ def rank_data(plan: IngestPlan, *, batch_size: int | None = None, seed: int | No
         from . import ray_side
 
         ranks_on_node = ray.train.get_context().get_local_world_size()
-        if ray_side.cpus()[0] >= 1:
+        if cfg.loader.read_share == "worker":
+            read_here = " (read in this worker: loader.read_share = worker)"
+        elif ray_side.cpus()[0] >= 1:
             iterator = ray.train.get_dataset_shard(ray_side.DATASET)
         else:  # the training workers hold every CPU: a Ray Data task would wait forever, so read here
             read_here = " (read in this worker: the cluster has no CPU free for Ray Data tasks)"
@@ -455,5 +457,5 @@ def read_rank(plan: IngestPlan, rank: int, iterator=None, ranks_on_node: int = 1
     else:
         from . import local_side
 
-        local, secs = local_side.read_share(plan, rank, sink)
+        local, secs = local_side.read_share(plan, rank, sink, ranks_on_node)
     return writers[False].finish(), writers[True].finish(), local, secs, where

@@ -12,8 +12,9 @@ from typing import Callable
 from . import tasks
 
 
-def _threads(n: int) -> int:
-    return max(1, min(n, os.cpu_count() or 1, 8))
+def _threads(n: int, sharing: int = 1) -> int:
+    """Threads for n units of work, when `sharing` processes on this machine do the same at once."""
+    return max(1, min(n, (os.cpu_count() or 1) // max(1, sharing), 8))
 
 
 def fit_records(source, spec: tasks.ReadSpec, stall_s: float = 0.0) -> list[tuple]:
@@ -22,13 +23,13 @@ def fit_records(source, spec: tasks.ReadSpec, stall_s: float = 0.0) -> list[tupl
         return [r for records in pool.map(lambda g: tasks.fit_group(spec, g), groups) for r in records]
 
 
-def read_share(plan, rank: int, sink: Callable[[tasks.Part, bool], None]) -> tuple[int, float]:
+def read_share(plan, rank: int, sink: Callable[[tasks.Part, bool], None], ranks_on_node: int = 1) -> tuple[int, float]:
     """This rank's pieces, read and transformed in this process, handed to sink(part, is_validation) in
     piece order as they complete (the same parts ray_side.receive hands on); returns (rows, seconds)."""
     t0 = time.perf_counter()
-    groups = tasks.piece_groups(plan.pieces(rank))
+    groups = tasks.piece_groups(plan.pieces(rank), mix=True)
     rows = 0
-    with ThreadPoolExecutor(_threads(len(groups))) as pool:
+    with ThreadPoolExecutor(_threads(len(groups), ranks_on_node)) as pool:
         for group, parts in zip(groups, pool.map(lambda g: tasks.transform_group(plan.spec, plan.fitted, g), groups)):
             for p, part in zip(group, parts):
                 rows += len(part[1])

@@ -71,26 +71,37 @@ def watched(items: Iterable, stall_s: float, waiting_for: Callable[[], str]) -> 
         yield x
 
 
+def _fit_group(spec: tasks.ReadSpec, group: list) -> list[tuple]:
+    return tasks.fit_group(spec, group)
+
+
 def fit_records(source, spec: tasks.ReadSpec, stall_s: float = 300.0) -> list[tuple]:
-    """tasks.fit_fragment over every fragment, one Ray Data task per group of a file's row groups (see
-    tasks.by_file), records in fragment order."""
+    """tasks.fit_group over every group of a file's row groups (tasks.by_file), one plain Ray task each,
+    spread over the cluster; records in fragment order. Plain tasks, not a Ray Data pipeline: the
+    results are a few kilobytes each, and a Ray Data execution costs seconds to start (measured:
+    bench --mode preprocess). A task whose worker dies is retried by Ray."""
+    import ray
 
-    def fit_batch(batch: pa.Table) -> dict[str, np.ndarray]:
-        return {"record": np.array([pickle.dumps(r) for group in _objs(batch) for r in tasks.fit_group(spec, group)],
-                                   dtype=object)}
-
-    ds = _items(tasks.fragment_groups(source.fragments)).map_batches(fit_batch, batch_format="pyarrow", batch_size=1)
-    out: list[tuple] = []
-
-    def waiting() -> str:
-        free, total = cpus()
-        return (f"the fit pass made no progress for {stall_s:.0f}s ({len(out)} of {len(source.fragments)} row groups "
-                f"fitted): its Ray Data tasks are not running. The cluster has {free:g} of {total:g} CPUs free; free "
-                f"some (other jobs hold them), add nodes, or raise run.stall_timeout_s if the storage is just slow")
-
-    for r in watched(ds.iter_rows(), stall_s, waiting):
-        out.append(pickle.loads(r["record"]))
-    return out
+    fit = ray.remote(num_cpus=1, max_retries=3)(_fit_group).options(name="fit_group", scheduling_strategy="SPREAD")
+    groups = tasks.fragment_groups(source.fragments)
+    spec_ref = ray.put(spec)
+    pending = {fit.remote(spec_ref, g): i for i, g in enumerate(groups)}
+    done: dict[int, list[tuple]] = {}
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=stall_s)
+        if not ready:
+            free, total = cpus()
+            raise StallError(f"the fit pass made no progress for {stall_s:.0f}s ({len(done)} of {len(groups)} groups of "
+                             f"row groups fitted): its Ray tasks are not running. The cluster has {free:g} of {total:g} "
+                             f"CPUs free; free some (other jobs hold them), add nodes, or raise run.stall_timeout_s if "
+                             f"the storage is just slow")
+        for ref in ready:
+            try:
+                done[pending.pop(ref)] = ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - a task that failed outright (its own errors come back as records)
+                inner = find_pipeline_error(e)
+                raise (inner or e) from None
+    return [r for i in range(len(groups)) for r in done[i]]
 
 
 def share_dataset(spec: tasks.ReadSpec, fitted, pieces: list, node_id: str | None = None, node_cpus: int = 1):

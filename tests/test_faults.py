@@ -2,7 +2,7 @@
 
 Each test runs the CLI in a subprocess with its own private local Ray (`address="local"`), finds the
 Ray worker process doing the work among that subprocess's descendants (by the process title Ray
-sets: `ray::MapBatches(fit_batch)` while a fit task runs, `ray::RayTrainWorker...` for a Ray
+sets: `ray::fit_group` while a fit task runs, `ray::RayTrainWorker...` for a Ray
 Train worker), kills it, and checks that the job still finishes with exactly the right result:
 
 - preprocessing: Ray Data retries the lost task (its tasks default to max_retries=-1), and the fit
@@ -76,7 +76,7 @@ def _descendants(root: int) -> set[int]:
 
 
 def _title(pid: int) -> str:
-    """The process title (Ray rewrites argv with setproctitle, e.g. 'ray::MapBatches(fit_batch)')."""
+    """The process title (Ray rewrites argv with setproctitle, e.g. 'ray::fit_group')."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
@@ -158,17 +158,17 @@ def test_fit_survives_killed_data_worker(tmp_path):
                "--run.name", "fit"], log) as proc:
         deadline = time.monotonic() + WATCH_S
         while proc.poll() is None and len(killed) < 2 and time.monotonic() < deadline:
-            for pid in _find(proc.pid, "ray::MapBatches(fit_batch)"):
+            for pid in _find(proc.pid, "ray::fit_group"):
                 if pid in (k for k, _ in killed):
                     continue
                 title = _title(pid)
-                if title.startswith("ray::MapBatches(fit_batch)"):  # still running the task right now
+                if title.startswith("ray::fit_group"):  # still running the task right now
                     _kill_and_confirm(pid)
                     killed.append((pid, title))
                     break
             time.sleep(0.02)
         text = _finish(proc, log, timeout=FINISH_S)
-    assert killed, f"no process titled ray::MapBatches(fit_batch) was seen under the job; log:\n{text[-4000:]}"
+    assert killed, f"no process titled ray::fit_group was seen under the job; log:\n{text[-4000:]}"
 
     assert f"[rows] rows read {rows:,} = used {rows:,} + dropped 0" in text, text[-3000:]
     (saved,) = glob.glob(str(out / "fit-*" / "preprocessor.json"))
