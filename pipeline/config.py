@@ -145,6 +145,9 @@ class RunSection(_Section):
     resume: bool = Field(False, description="use <output>/<name> exactly and continue from its last checkpoint")
     ray_address: str = Field("", description="'' starts a local Ray; 'auto' or ray://host:port joins a cluster")
     num_cpus: int = Field(0, ge=0, description="CPUs of the local Ray (0: max(cores, workers + 2))")
+    fit_on: Literal["auto", "ray", "local"] = Field(
+        "auto", description="where the fit pass runs: ray (one task per file, across the cluster), local (threads in "
+                            "the driver), auto (ray on a cluster of several nodes, local on one)")
     fit_from: str = Field("", description="a fit.json saved by an earlier fit or train run: skip the fit pass when the "
                                           "data and the data/quality/preprocess settings are unchanged (refused otherwise)")
     stall_timeout_s: float = Field(300.0, gt=0.0, description="a stage that makes no progress this long (no row group "

@@ -154,7 +154,7 @@ def test_fit_survives_killed_data_worker(tmp_path):
     data, out, log = tmp_path / "data", tmp_path / "runs", tmp_path / "fit.log"
     paths = demo.generate(str(data), rows=rows, shards=32, seed=3)
     killed: list[tuple[int, str]] = []
-    with _cli(["fit", "--config", "configs/demo.toml", "--data.path", str(data), "--run.output", str(out),
+    with _cli(["fit", "--config", "configs/demo.toml", "--run.fit_on", "ray", "--data.path", str(data), "--run.output", str(out),
                "--run.name", "fit"], log) as proc:
         deadline = time.monotonic() + WATCH_S
         while proc.poll() is None and len(killed) < 2 and time.monotonic() < deadline:
