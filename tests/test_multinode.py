@@ -52,9 +52,7 @@ CLUSTER_SCRIPT = textwrap.dedent('''
     small = dict(object_store_memory=150 * 1024**2)
     # node_loss: the head keeps one CPU, as real heads do. After the loss the restarted training
     # workers hold every CPU of the surviving worker node and the head's; each re-reads its share
-    # with Ray Data tasks, which need a CPU the training workers do not hold (with none free the job
-    # would wait forever). The rank restarted on the head has no spare CPU there, so its share is
-    # transformed on the other node (its [data] line says 0%% on this node).
+    # in its own process (loader.read_share = worker), so none waits for a free CPU.
     head_cpus = 1 if mode == "node_loss" else 0
     small = {**small, "node_ip_address": "127.0.0.1"}  # loopback only (with LOOPBACK_ONLY in the environment)
     cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=head_cpus, include_dashboard=False, **small))
@@ -72,6 +70,8 @@ CLUSTER_SCRIPT = textwrap.dedent('''
                      "train.hidden": [32], "train.trace_batches": True}
         if mode == "node_loss":
             overrides.update({"train.checkpoint_every_steps": 10, "train.max_failures": 2})
+        else:  # the plain run takes the Ray Data path: tasks pinned to each rank's node, through the DataConfig
+            overrides["loader.read_share"] = "ray_data"
         if "train.placement_strategy" in config.keys():
             overrides["train.placement_strategy"] = "SPREAD"
             summary["spread_by"] = "config"
