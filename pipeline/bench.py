@@ -389,10 +389,15 @@ def _cmd(cfg, args) -> int:
     args.rows, args.repeats = args.rows or 2_000_000, args.repeats or 3
     res = run(args.rows, args.features, args.categorical, [int(b) for b in args.batch_sizes.split(",")],
               args.device, args.budget, not args.no_ray, args.repeats)
-    print(table(res))
+    return report(res, table, plot, args)
+
+
+def report(res: dict, table_of: Callable[[dict], str], plot_to: Callable[[dict, str], None], args) -> int:
+    """Print the table, write the JSON (and the PNG unless --plot '')."""
+    print(table_of(res))
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2)
     if args.plot:
-        plot(res, args.plot)
+        plot_to(res, args.plot)
     print(f"\nwrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
     return 0

@@ -16,7 +16,6 @@ twice) against the share's packed bytes; writes JSON and a PNG.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -214,11 +213,7 @@ def plot(res: dict, path: str) -> None:
 
 
 def main(args) -> int:
+    from .bench import report
+
     res = run(args.rows or 10_000_000, args.shards, args.world, args.data, args.repeats, args.read_share)
-    print(table(res))
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=2)
-    if args.plot:
-        plot(res, args.plot)
-    print(f"\nwrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
-    return 0
+    return report(res, table, plot, args)

@@ -126,7 +126,8 @@ def share_dataset(spec: tasks.ReadSpec, fitted, pieces: list, node_id: str | Non
         out["local"] = np.full(len(out["row_id"]), here)
         return out
 
-    ds = _items(tasks.piece_groups(pieces))
+    groups = tasks.piece_groups(pieces)
+    ds = _items(groups)
     if node_id is None:
         return ds.map_batches(read_transform, batch_format="pyarrow", batch_size=1)
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -139,7 +140,8 @@ def share_dataset(spec: tasks.ReadSpec, fitted, pieces: list, node_id: str | Non
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
         return ds.map_batches(read_transform, batch_format="pyarrow", batch_size=1,
-                              compute=ray.data.TaskPoolStrategy(size=max(1, node_cpus)), scheduling_strategy=affinity)
+                              compute=ray.data.TaskPoolStrategy(size=max(1, min(node_cpus, len(groups)))),
+                              scheduling_strategy=affinity)
 
 
 def _spare_cpus(worker_node_ids, cpus_per_worker: float) -> dict[str, int]:

@@ -19,3 +19,17 @@ def test_bench_writes_table_json_and_plot(tmp_path, capsys):
     assert res["bulk_gather"] > 0
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "c/d" in capsys.readouterr().out
+
+
+def test_preprocess_bench_times_both_sides_and_a_ranks_memory(tmp_path, capsys, ray_local):
+    out = tmp_path / "prep.json"
+    rc = cli.main(["bench", "--mode", "preprocess", "--rows", "20000", "--shards", "2", "--data", str(tmp_path / "d"),
+                   "--out", str(out), "--plot", str(tmp_path / "prep.png")])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "(h) hand-written" in text and "p/h = " in text and "rank 1:" in text
+    res = json.loads(out.read_text())
+    best = res["best"]
+    assert best["handwritten"]["rows"] == 20_000 and sum(r["rows"] for r in best["project"]["ranks"]) == 20_000
+    assert best["ratio_project_over_handwritten"] > 0 and (tmp_path / "prep.png").stat().st_size > 0
+    assert all(r["packed_bytes"] > 0 and r["uss_peak_extra"] >= 0 for r in best["project"]["ranks"])

@@ -198,8 +198,11 @@ def test_users_own_datasets_are_kept_and_split_beside_the_plan(ray_local, layout
     import pipeline
     from pipeline import ray_side
 
-    plan = pipeline.prepare(config=make_config(layouts["even"]), world_size=2)
-    kwargs = plan.trainer_kwargs(datasets={"extra": ray.data.range(100)})
+    own = ray.data.range(100)
+    worker = pipeline.prepare(config=make_config(layouts["even"]), world_size=2)  # ranks read their own shares
+    assert worker.trainer_kwargs(datasets={"extra": own}) == {"datasets": {"extra": own}}
+    plan = pipeline.prepare(config=make_config(layouts["even"], **{"loader.read_share": "ray_data"}), world_size=2)
+    kwargs = plan.trainer_kwargs(datasets={"extra": own})
     assert set(kwargs["datasets"]) == {"extra", ray_side.DATASET}
     node = ray.get_runtime_context().get_node_id()
     its = kwargs["dataset_config"].configure(kwargs["datasets"], 2, None, [node, node])
