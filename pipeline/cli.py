@@ -63,9 +63,34 @@ def cmd_validate(cfg: config_mod.Config, args) -> int:
     if src.bad_files and cfg.quality.on_bad_file == "fail":
         raise DataError(f"{len(src.bad_files)} bad files under '{src.uri}' (listed above); rewrite or remove them, "
                         f"or set quality.on_bad_file = \"quarantine\" to train on the rest")
-    if src.bad_files:
-        print(f"[validate] quality.on_bad_file = quarantine: {len(src.bad_files)} files would be set aside")
+    damaged = _deep(src) if args.deep else []
+    if damaged and cfg.quality.on_bad_file == "fail":
+        raise DataError(f"{len(damaged)} damaged row groups under '{src.uri}' (listed above); rewrite those files, or "
+                        f"set quality.on_bad_file = \"quarantine\" to set damaged row groups aside")
+    if src.bad_files or damaged:
+        print(f"[validate] quality.on_bad_file = quarantine: {len(src.bad_files)} files and {len(damaged)} row groups "
+              f"would be set aside")
     return 0
+
+
+def _deep(src) -> list[tuple[str, int, str]]:
+    """Decode every page of every row group (no Ray), with a progress bar; print each damaged one."""
+    from tqdm.auto import tqdm
+
+    from . import source
+
+    damaged = []
+    total = sum(len(s.row_group_rows) for s in src.shards)
+    with tqdm(total=total, desc="validate --deep", unit="row group") as bar:
+        for shard in src.shards:
+            for g, problem in source.deep_check(src.uri, shard):
+                bar.update(1)
+                if problem:
+                    damaged.append((shard.path, g, problem))
+                    tqdm.write(f"[validate] BAD {shard.path} row group {g} ({shard.row_group_rows[g]:,} rows): {problem}")
+    print(f"[validate] --deep: {total - len(damaged)} of {total} row groups decode and "
+          f"match their statistics")
+    return damaged
 
 
 def cmd_fit(cfg: config_mod.Config, args) -> int:
@@ -114,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_config_flags(p)
         if name == "generate":
             p.add_argument("--overwrite", action="store_true", help="rewrite the dataset even if it is complete")
+        if name == "validate":
+            p.add_argument("--deep", action="store_true", help="also decode every page of every row group (checksums "
+                                                               "where stored, values against the footer's statistics)")
     from . import bench
 
     bench.add_parser(sub, _add_config_flags)

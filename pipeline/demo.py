@@ -19,7 +19,7 @@ from . import storage
 from .config import DEMO_CATEGORICAL, DEMO_NUMERIC
 
 _CARDINALITY = {"city": 200, "device": 5, "plan": 4, "channel": 30}
-_VERSION = "pipeline-demo/2"  # the marker holds it: a dataset from another version is written anew
+_VERSION = "pipeline-demo/3"  # the marker holds it: a dataset from another version is written anew
 SEGMENTS = ("bronze", "silver", "gold", "platinum")
 _NULL_SHARE = 0.03  # in every other numeric column and in 'city' and 'channel'
 
@@ -86,7 +86,7 @@ def generate(uri: str, rows: int, shards: int, seed: int = 0, overwrite: bool = 
         final = f"{root}/part-{i:05d}.parquet"
         tmp = final + ".tmp"
         with fs.open_output_stream(tmp) as out:
-            pq.write_table(table, out, row_group_size=65_536, compression="snappy")
+            pq.write_table(table, out, row_group_size=65_536, compression="snappy", write_page_checksum=True)
         fs.move(tmp, final)
         paths.append(final)
     with fs.open_output_stream(marker) as out:

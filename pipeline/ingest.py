@@ -118,7 +118,8 @@ class IngestPlan:
                 f"targets: {kinds}",
                 f"[rows] {self.accounting.summary()}",
                 f"[plan] training rows per rank {self.train_sizes}, validation rows per rank {self.val_sizes}, from "
-                f"{[len(self.pieces(r)) for r in range(self.world_size)]} row-group pieces"]
+                f"{[len(self.pieces(r)) for r in range(self.world_size)]} row-group pieces"] + \
+            [f"[columns] {note}" for note in self.source.conversions(self.fitted.stats)]
 
     def save_fit(self, uri: str) -> None:
         """The fit pass's result, for `prepare(fit_from=uri)` (run.fit_from): the fitted preprocessor, the

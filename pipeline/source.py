@@ -16,6 +16,7 @@ import contextlib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Iterator
 from urllib.parse import unquote
 
 import pyarrow as pa
@@ -85,6 +86,30 @@ class Source:
     bad_files: tuple[BadFile, ...] = field(default_factory=tuple)
     columns: Columns = Columns()
     inferred: tuple[str, ...] | None = None  # features were inferred from the schema: the columns skipped
+
+    def conversions(self, stats: dict) -> list[str]:
+        """How numbers float64 cannot hold exactly were turned into features, said once per column.
+        stats: the fitted preprocessor's per-column statistics (their min and max)."""
+        if not self.shards:
+            return []
+        schema, out = self.shards[0].schema, []
+        for c, d in zip(self.columns.numeric, self.columns.dims):
+            if d or c not in schema.names:
+                continue
+            t = schema.field(c).type
+            t = t.value_type if pa.types.is_dictionary(t) else t
+            s = stats.get("numeric", {}).get(c, {})
+            big = max(abs(s.get("min") or 0), abs(s.get("max") or 0)) >= 2**53
+            if pa.types.is_timestamp(t) or pa.types.is_duration(t):
+                out.append(f"'{c}' ({t}) is its integer count of {t.unit} (since 1970 for a timestamp)")
+            elif pa.types.is_date(t):
+                out.append(f"'{c}' ({t}) is its count of {'days' if pa.types.is_date32(t) else 'ms'} since 1970")
+            elif pa.types.is_decimal(t):
+                out.append(f"'{c}' ({t}) is rounded to the nearest float64")
+            elif pa.types.is_integer(t) and t.bit_width == 64 and big:
+                out.append(f"'{c}' ({t}) holds integers beyond 2^53, rounded to the nearest float64 (a float32 "
+                           f"feature keeps 24 bits of them in any case)")
+        return out
 
     def describe_columns(self) -> str:
         """One line: which columns play which role (and, when inferred, which were skipped)."""
@@ -364,6 +389,22 @@ def opened(uri: str, path: str):
         return
     with f:
         yield pf
+
+
+def deep_check(uri: str, shard: Shard) -> Iterator[tuple[int, str | None]]:
+    """(row group, problem or None) for every row group of the file: every page of every column
+    decoded, with page checksums verified where stored, and checked against the footer's statistics."""
+    with opened(uri, shard.path) as pf:
+        for g in range(len(shard.row_group_rows)):
+            if pf is None:
+                yield g, "the file cannot be opened"
+                continue
+            try:
+                table = pf.read_row_group(g)
+                problem = statistics_problem(pf.metadata.row_group(g), table)
+                yield g, (f"decoded values disagree with the footer's statistics ({problem})" if problem else None)
+            except (OSError, pa.ArrowException) as e:
+                yield g, f"cannot be decoded ({type(e).__name__}: {e})"
 
 
 def read_fragment(uri: str, frag: Fragment, columns: list[str], pf: pq.ParquetFile | None = None) -> pa.Table:

@@ -247,3 +247,25 @@ def test_a_row_group_damaged_after_the_fit_reaches_the_rank_as_one_paragraph(tmp
         ray_side.receive(ray_side.share_dataset(plan.spec, plan.fitted, plan.pieces(0)).iterator(),
                          lambda part, val: None, 0, ROWS, 60)
     assert path in str(e.value) and "row group 0" in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_validate_deep_decodes_every_page_and_names_damaged_row_groups(tmp_path, capsys):
+    from pipeline import cli
+
+    d = tmp_path / "data"
+    d.mkdir()
+    table = _shard(ROWS, 0, 7).select(ALL)
+    pq.write_table(table, str(d / "good.parquet"), row_group_size=GROUP, write_page_checksum=True)
+    bad = str(d / "bad.parquet")
+    pq.write_table(table, bad, row_group_size=GROUP, write_page_checksum=True)
+    raw = bytearray(open(bad, "rb").read())
+    start = pq.ParquetFile(bad).metadata.row_group(2).column(3).data_page_offset + 40
+    raw[start:start + 32] = bytes(32)  # a page of row group 2, behind its checksum
+    open(bad, "wb").write(bytes(raw))
+    args = ["validate", "--deep", "--config", "configs/demo.toml", "--data.path", str(d)]
+    assert cli.main(args) == 2  # quality.on_bad_file = fail
+    out, err = capsys.readouterr()
+    assert f"BAD {bad} row group 2" in out and "cannot be decoded" in out and "7 of 8 row groups" in out
+    assert "1 damaged row groups" in err and "Traceback" not in err
+    assert cli.main([*args, "--quality.on_bad_file", "quarantine"]) == 0
+    assert "0 files and 1 row groups would be set aside" in capsys.readouterr().out

@@ -196,9 +196,30 @@ def test_numbers_float64_cannot_hold_are_converted_not_a_traceback(tmp_path):
     big = np.arange(N, dtype=np.int64) + 2**60  # beyond 2**53
     cols = base() | {"big": pa.array(big), "dec": pa.array([f"{v:.2f}" for v in np.arange(N) / 7]).cast(pa.decimal128(12, 2)),
                      "half": pa.array(np.arange(N, dtype=np.float16))}
-    plan = pipeline.prepare(write(tmp_path, pa.table(cols)), label="bin_int", numeric=["big", "dec", "half"])
+    cols["ts"] = pa.array(np.arange(N).astype("datetime64[ms]"))
+    cols["dur"] = pa.array(np.arange(N).astype("timedelta64[s]"))
+    plan = pipeline.prepare(write(tmp_path, pa.table(cols)), label="bin_int", numeric=["big", "dec", "half", "ts", "dur"])
     x = all_rows(plan)[0].train.x_num.numpy()
-    assert np.isfinite(x).all() and x[:, :3].std(0).min() > 0.5
+    assert np.isfinite(x).all() and x[:, :5].std(0).min() > 0.5
+    notes = [line for line in plan.describe() if line.startswith("[columns]")]  # each conversion said once
+    assert len(notes) == 4 and "'big' (int64) holds integers beyond 2^53" in notes[0], notes
+    assert "'dec' (decimal128(12, 2)) is rounded" in notes[1] and "'ts' (timestamp[ms]) is its integer count of ms" in notes[2]
+
+
+def test_an_unexpected_error_in_a_task_is_one_paragraph_naming_file_and_row_group(tmp_path, monkeypatch):
+    from pipeline import tasks
+
+    path = write(tmp_path, pa.table(base()))
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("something nobody expected")
+
+    monkeypatch.setattr(tasks, "partial_stats", broken)
+    with pytest.raises(DataError) as e:
+        pipeline.prepare(path, label="reg", numeric=["x"], use_ray=False)
+    msg = str(e.value)
+    assert "unexpected ZeroDivisionError while reading row group 0 of" in msg and "part-0.parquet" in msg
+    assert "\n" not in msg and "--debug" in msg and "Traceback" in e.value.details
 
 
 def test_prepare_keywords_are_checked_and_configs_compose(tmp_path):
