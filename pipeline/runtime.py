@@ -27,6 +27,27 @@ def loopback_only() -> None:
         constants.ENABLE_RAY_CLUSTER = False
 
 
+def private_quiet() -> None:
+    """Settings for a private local Ray that change nothing a user relies on, only what it prints.
+
+    - Token authentication stays on (Ray's default for a new local cluster), but Ray's notice of it,
+      "... Set RAY_AUTH_MODE=disabled to opt out", printed on every start, invites the wrong fix: it is
+      dropped, and nothing else from that logger.
+    - Ray Train's PreemptionWatcher watches for nodes being drained (spot instances); one machine has
+      none to drain, and creating it prints a core_worker.cc error line (ray-project/ray#53727) on
+      every run. It stays on for real clusters (run.ray_address, `ray job submit`). A user's own
+      RAY_TRAIN_ENABLE_PREEMPTION_WATCHER wins."""
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _DropOptOutNotice) for f in auth.filters):
+        auth.addFilter(_DropOptOutNotice())
+
+
+class _DropOptOutNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "to opt out" not in record.getMessage()
+
+
 def init_ray(cfg: Config) -> None:
     """Join the cluster named by run.ray_address, or start a private local one.
 
@@ -41,17 +62,25 @@ def init_ray(cfg: Config) -> None:
     # Train V2 prints a line per internal state change; a user wants the epoch lines.
     os.environ.setdefault("RAY_TRAIN_ENABLE_CONTROLLER_STRUCTURED_LOGGING", "0")
     os.environ.setdefault("RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING", "0")
-    # No runtime_env here: inside `ray job submit` the job's own (jobs/runtime_env.yaml) applies, and Ray
-    # refuses to start a driver whose ray.init(runtime_env=...) sets a variable that one sets too.
+    # A runtime_env only for the private Ray: inside `ray job submit` the job's own (jobs/runtime_env.yaml)
+    # applies, and Ray refuses to start a driver whose ray.init(runtime_env=...) conflicts with it.
     kwargs = dict(logging_level=logging.WARNING, configure_logging=True)
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS") or "local"
     if address == "local":
         cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, cfg.train.num_workers + 2)
         loopback_only()
-        ray.init(address="local", num_cpus=cpus, **kwargs)
+        private_quiet()
+        ray.init(address="local", num_cpus=cpus, runtime_env={"worker_process_setup_hook": quiet_worker}, **kwargs)
     else:
         ray.init(address=address, **kwargs)
     quiet_ray_data()
+
+
+def quiet_worker() -> None:
+    """Runs in every Ray worker process (runtime_env worker_process_setup_hook; jobs/runtime_env.yaml
+    names it too): Ray Train's INFO lines (resources requested, worker group started with each pid,
+    process group set up) repeat what the [data] and [train] lines say. Its warnings still show."""
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
 
 
 def quiet_ray_data(progress: bool = True) -> None:

@@ -230,6 +230,7 @@ def test_train_job_succeeds(ray_head: Head, job_data: str, tmp_path):
     assert logs.returncode == 0, _tail(logs)
     assert "[train] epoch 1/1" in logs.stdout and "[train] done" in logs.stdout, logs.stdout[-4000:]
     assert "Found multiple active Ray instances" not in logs.stdout  # the job stayed on this cluster
+    assert "Requesting resources" not in logs.stdout  # runtime_env's worker_process_setup_hook quiets Ray Train
 
     # Artifacts: <run.output>/<run.name>-<timestamp>/
     runs = sorted(out.glob("jobtest-*"))
