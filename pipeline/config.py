@@ -150,6 +150,11 @@ class RunSection(_Section):
                             "the driver), auto (ray on a cluster of several nodes, local on one)")
     fit_from: str = Field("", description="a fit.json saved by an earlier fit or train run: skip the fit pass when the "
                                           "data and the data/quality/preprocess settings are unchanged (refused otherwise)")
+    start_workers: Literal["auto", "beside_fit", "after_fit"] = Field(
+        "auto", description="when `train` starts Ray Train's workers: beside_fit (while the driver validates and fits; "
+                            "they take the plan once it exists; needs loader.read_share = worker), after_fit, or auto "
+                            "(beside_fit where the driver's machine has more cores than train.num_workers + 1: with "
+                            "fewer, the fit threads and the workers' start-up only slow each other down)")
     stall_timeout_s: float = Field(300.0, gt=0.0, description="a stage that makes no progress this long (no row group "
                                    "fitted, no block of a rank's share received) ends the job, saying what it waited for")
 
@@ -190,6 +195,9 @@ class Config(_Section):
                 roles[col] = f"data.{kind}"
         for col in d.passthrough:  # may also be a feature or target: it is then carried as it was written
             roles.setdefault(col, "data.passthrough")
+        if self.run.start_workers == "beside_fit" and self.loader.read_share != "worker":
+            raise ValueError("run.start_workers = 'beside_fit' needs loader.read_share = 'worker' (with 'ray_data' the "
+                             "plan's DataConfig is part of the trainer, so the plan must come first); set one of them")
         return self
 
     @property

@@ -106,3 +106,34 @@ def test_rows_memory_mapped_from_disk_train_exactly_as_in_memory(ray_local, demo
     for key in ("train_loss", "val_loss", "val_acc", "rows"):
         assert disk["epochs"][0][key] == mem["epochs"][0][key], key
     assert spill.is_dir() and not list(spill.iterdir())
+
+
+@pytest.mark.slow
+def test_workers_started_beside_the_fit_train_exactly_as_after_it(ray_local, demo_dir, tmp_path):
+    """run.start_workers = beside_fit: Ray Train's workers start while the driver validates and fits,
+    and take the plan from a PlanBox once it exists; the run is the same, loss for loss. A prepare that
+    fails meanwhile raises its own one-paragraph error, and the early workers end by themselves."""
+    import shutil
+    import time
+
+    from pipeline.errors import DataError
+
+    common = {"train.epochs": 1, "train.batch_size": 256, "train.num_workers": 2, "train.hidden": [32]}
+    after = train.run(make_config(demo_dir, **{"run.output": str(tmp_path / "a"), **common,
+                                               "run.start_workers": "after_fit"}))
+    beside = train.run(make_config(demo_dir, **{"run.output": str(tmp_path / "b"), **common,
+                                                "run.start_workers": "beside_fit"}))
+    for key in ("train_loss", "val_loss", "val_acc", "rows"):
+        assert beside["epochs"][0][key] == after["epochs"][0][key], key
+    assert "plan and workers both ready" in beside["time_to_first_step"]
+    assert "plan and workers both ready" not in after["time_to_first_step"]
+
+    bad = tmp_path / "bad"
+    shutil.copytree(demo_dir, bad)
+    (bad / "part-99999.parquet").write_bytes(b"")  # validation fails while the workers are starting
+    with pytest.raises(DataError, match="part-99999.parquet"):
+        train.run(make_config(str(bad), **{"run.output": str(tmp_path / "c"), **common, "run.start_workers": "beside_fit"}))
+    deadline = time.monotonic() + 120
+    while ray_local.available_resources().get("CPU", 0) < ray_local.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, "the workers started beside a failed fit still hold CPUs"
+        time.sleep(0.5)
