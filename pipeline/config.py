@@ -145,8 +145,6 @@ class RunSection(_Section):
     resume: bool = Field(False, description="use <output>/<name> exactly and continue from its last checkpoint")
     ray_address: str = Field("", description="'' starts a local Ray; 'auto' or ray://host:port joins a cluster")
     num_cpus: int = Field(0, ge=0, description="CPUs of the local Ray (0: max(cores, workers + 2))")
-    dashboard: bool = Field(False, description="start Ray's dashboard (127.0.0.1:8265) with the private local Ray; "
-                                               "off by default: it adds about 1 s and a process to every start")
     fit_on: Literal["auto", "ray", "local"] = Field(
         "auto", description="where the fit pass runs: ray (one task per file, across the cluster), local (threads in "
                             "the driver), auto (ray on a cluster of several nodes, local on one)")

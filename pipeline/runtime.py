@@ -70,8 +70,7 @@ def init_ray(cfg: Config) -> None:
         cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, cfg.train.num_workers + 2)
         loopback_only()
         private_quiet()
-        ray.init(address="local", num_cpus=cpus, include_dashboard=cfg.run.dashboard,
-                 runtime_env={"worker_process_setup_hook": quiet_worker}, **kwargs)
+        ray.init(address="local", num_cpus=cpus, runtime_env={"worker_process_setup_hook": quiet_worker}, **kwargs)
     else:
         ray.init(address=address, **kwargs)
     quiet_ray_data()
