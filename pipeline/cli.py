@@ -101,21 +101,35 @@ def cmd_fit(cfg: config_mod.Config, args) -> int:
     return 0
 
 
+def summary_table(summary: dict) -> str:
+    """The train job's closing table: one value and baseline column per target, one row per epoch."""
+    from .train import target_metric
+
+    rows, targets = summary["epochs"], summary["targets"]
+    lines, cols = [""], []  # cols: (header, value key, baseline key), one per target
+    for t in targets:
+        name = target_metric(t["kind"])
+        lines.append(f"target '{t['name']}' ({t['kind']}): {name} on the validation rows, beside the baseline "
+                     f"({'predicting the training mean' if name == 'val_rmse' else 'the majority class'})")
+        cols.append((name if len(targets) == 1 else f"{t['name']}:{name}", f"{t['name']}:{name}",
+                     f"{t['name']}:baseline_{name.removeprefix('val_')}"))
+    lines.append("epoch  train_loss" + "".join(f"  {h:>{max(8, len(h))}}  baseline" for h, _, _ in cols)
+                 + "  rows/s       data_wait%")
+    for m in rows:
+        figures = "".join(f"  {m.get(v, float('nan')):>{max(8, len(h))}.4f}  {m.get(b, float('nan')):>8.4f}"
+                          for h, v, b in cols)
+        lines.append(f"{m['epoch']:>5}  {m['train_loss']:>10.4f}{figures}  {m['rows_per_s']:>11,.0f}  "
+                     f"{m['data_wait_pct']:>10.1f}")
+    return "\n".join(lines)
+
+
 def cmd_train(cfg: config_mod.Config, args) -> int:
     from . import runtime, train
 
     t0 = time.time()
     runtime.init_ray(cfg)
     summary = train.run(cfg, started=COMMAND_START, ray_s=time.time() - t0)
-    rows = summary["epochs"]
-    metric = rows[0].get("metric", "val") if rows else "val"
-    first = summary["targets"][0]
-    print(f"\ntarget '{first['name']}' ({first['kind']}): {metric} on the validation rows, beside the baseline "
-          f"({'the majority class' if metric == 'val_acc' else 'predicting the training mean'})")
-    print(f"epoch  train_loss  {metric:>8}  baseline  rows/s       data_wait%")
-    for m in rows:
-        print(f"{m['epoch']:>5}  {m['train_loss']:>10.4f}  {m.get('val_metric', float('nan')):>8.4f}  "
-              f"{m.get('baseline', float('nan')):>8.4f}  {m['rows_per_s']:>11,.0f}  {m['data_wait_pct']:>10.1f}")
+    print(summary_table(summary))
     print(f"\n[rows] {summary['accounting_summary']}")
     print(f"[train] done in {summary['wall_s']:.1f}s; run folder {summary['run']}; checkpoint {summary['checkpoint']}; "
           f"preprocessor {summary['preprocessor']}")

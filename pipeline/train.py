@@ -167,6 +167,21 @@ def evaluate(model: nn.Module, data, fitted, device: torch.device, chunk: int = 
     return out_m
 
 
+def target_metric(kind: str) -> str:
+    return "val_rmse" if kind == "regression" else "val_acc"
+
+
+def target_figures(metrics: dict, targets) -> str:
+    """'val_acc 0.8229 (baseline 0.5331)', one per target ('segment: val_acc ...' when there are several)."""
+    parts = []
+    for t in targets:
+        name = target_metric(t.kind)
+        value = metrics.get(f"{t.name}:{name}", float("nan"))
+        base = metrics.get(f"{t.name}:baseline_{name.removeprefix('val_')}", float("nan"))
+        parts.append(f"{t.name + ': ' if len(targets) > 1 else ''}{name} {value:.4f} (baseline {base:.4f})")
+    return ", ".join(parts)
+
+
 def _save_checkpoint(model: nn.Module, optimizer, loader, history: list, fitted_json: str, cfg_json: str,
                      partial: dict[str, Any] | None = None):
     """A directory holding model, optimizer and loader state, the fitted preprocessor and the config.
@@ -285,8 +300,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
         history.append(metrics)
         if rank == 0:
             print(f"[train] epoch {metrics['epoch']}/{t.epochs}  loss {metrics['train_loss']:.4f}  "
-                  f"{metrics.get('metric', 'val')} {metrics.get('val_metric', float('nan')):.4f} (baseline "
-                  f"{metrics.get('baseline', float('nan')):.4f})  {metrics['rows_per_s']:,.0f} rows/s  "
+                  f"{target_figures(metrics, fitted.targets)}  {metrics['rows_per_s']:,.0f} rows/s  "
                   f"data wait {metrics['data_wait_pct']:.1f}% of step time", flush=True)
         checkpoint = _save_checkpoint(model, optimizer, loader, history, fitted_json, cfg_json) if rank == 0 else None
         ray.train.report(metrics, checkpoint=checkpoint)

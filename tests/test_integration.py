@@ -60,17 +60,29 @@ def test_training_path_arrays_equal_serving_path(ray_local, demo_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("label,kind", [("label", "binary"), ("segment", "multiclass"), ("spend", "regression")])
+@pytest.mark.parametrize("label,kind", [("label", "binary"), ("segment", "multiclass"), ("spend", "regression"),
+                                        (["segment", "spend"], "several")])
 def test_whole_job_learns_and_saves_everything(ray_local, demo_dir, tmp_path, label, kind):
-    """Only data.label changes between the three: the kind is detected, the head and loss follow it."""
+    """Only data.label changes between them: the kind is detected, the head and loss follow it; with
+    several targets one model learns them all and the job reports each beside its own baseline."""
+    from pipeline.cli import summary_table
+
     cfg = make_config(demo_dir, **{"run.output": str(tmp_path / "runs"), "train.epochs": 3, "train.batch_size": 256,
                                    "train.num_workers": 2, "train.hidden": [64, 32], "data.label": label})
     summary = train.run(cfg)
-    assert summary["targets"][0]["kind"] == kind
     epochs = summary["epochs"]
     assert [e["epoch"] for e in epochs] == [1, 2, 3]
     assert epochs[-1]["train_loss"] < epochs[0]["train_loss"]
     last = epochs[-1]
+    table = summary_table(summary)
+    assert "nan" not in table, table
+    if kind == "several":
+        assert [(t["name"], t["kind"]) for t in summary["targets"]] == [("segment", "multiclass"), ("spend", "regression")]
+        assert "segment:val_acc" in table and "spend:val_rmse" in table, table
+        assert last["segment:val_acc"] > last["segment:baseline_acc"] + 0.05, last
+        assert last["spend:val_rmse"] < 0.6 * last["spend:baseline_rmse"], last
+        return
+    assert summary["targets"][0]["kind"] == kind
     if kind == "regression":  # RMSE in the target's units, well under predicting the mean
         assert last["metric"] == "val_rmse" and last["val_rmse"] < 0.6 * last["baseline_rmse"], last
         assert summary["accounting"]["dropped_by_reason"] == {"null or NaN target in 'spend'": 24_000 - summary["accounting"]["rows_used"]}
