@@ -8,21 +8,24 @@ The public names (everything a training loop needs; nothing else has to be impor
   `Batch`es (Ray Train, torchrun or a single process).
 - `FittedPreprocessor` (serving, no Ray, no torch): `.load(path).transform(df)` -> `Transformed`.
 - `TabularDataset`, `BatchSampler`, `DeviceLoader`, `WorkerLoader`: the torch side, usable alone.
-- `load_config`, `PipelineError`, `ConfigError`, `DataError`.
+- `load_config` -> `Config`; `PipelineError`, `ConfigError`, `DataError`, `NoUsableRows`, `StallError`.
+- `StepStats`, `timed(loader, stats)`: a loop's data-wait share and rows/s, as the built-in job prints them.
+- `pipeline.storage`: local paths and `s3://`/`gs://` URIs through pyarrow filesystems (join, read/write
+  JSON and text), as the job uses them for its run folder.
 
 Names are imported lazily so that a Ray task importing one module does not pay for torch.
 """
 
-__all__ = ["Batch", "BatchSampler", "ConfigError", "DataError", "DeviceLoader", "FittedPreprocessor", "IngestPlan",
-           "NoUsableRows", "PipelineError", "RankData", "StallError", "TabularDataset", "Transformed", "WorkerLoader",
-           "load_config", "prepare", "rank_context", "rank_data"]
+__all__ = ["Batch", "BatchSampler", "Config", "ConfigError", "DataError", "DeviceLoader", "FittedPreprocessor",
+           "IngestPlan", "NoUsableRows", "PipelineError", "RankData", "StallError", "StepStats", "TabularDataset",
+           "Transformed", "WorkerLoader", "load_config", "prepare", "rank_context", "rank_data", "storage", "timed"]
 
 _WHERE = {
     "Batch": "dataset", "TabularDataset": "dataset", "BatchSampler": "sampler", "DeviceLoader": "loader",
     "WorkerLoader": "loader", "FittedPreprocessor": "preprocess", "Transformed": "preprocess", "IngestPlan": "ingest",
     "RankData": "ingest", "prepare": "ingest", "rank_data": "ingest", "rank_context": "ingest",
     "PipelineError": "errors", "ConfigError": "errors", "DataError": "errors", "NoUsableRows": "errors",
-    "StallError": "errors",
+    "StallError": "errors", "Config": "config", "StepStats": "metrics", "timed": "metrics",
 }
 
 
@@ -31,9 +34,11 @@ def __getattr__(name: str):
         from .config import load
 
         return load
-    if name in _WHERE:
-        import importlib
+    import importlib
 
+    if name == "storage":
+        return importlib.import_module(".storage", __name__)
+    if name in _WHERE:
         return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
     raise AttributeError(f"module 'pipeline' has no attribute '{name}'")
 

@@ -439,6 +439,9 @@ def rank_data(plan: IngestPlan, *, batch_size: int | None = None, seed: int | No
         if cfg.loader.read_share == "worker":
             read_here = " (read in this worker: loader.read_share = worker)"
         elif ray_side.cpus()[0] >= 1:
+            from .runtime import quiet_ray_data
+
+            quiet_ray_data(progress=False)  # a shard of an already planned read: no bars, no banner per rank
             iterator = ray.train.get_dataset_shard(ray_side.DATASET)
         else:  # the training workers hold every CPU: a Ray Data task would wait forever, so read here
             read_here = " (read in this worker: the cluster has no CPU free for Ray Data tasks)"

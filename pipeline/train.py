@@ -22,10 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipeline
-from pipeline import storage
-from pipeline.config import Config
-from pipeline.errors import DataError, NoUsableRows, PipelineError
-from pipeline.metrics import StepStats, timed
+from pipeline import Config, DataError, NoUsableRows, PipelineError, StepStats, storage, timed
 
 CHECKPOINT_FILE = "state.pt"
 PREPROCESSOR_FILE = "preprocessor.json"
@@ -207,9 +204,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
     import ray.train
     import ray.train.torch
 
-    from pipeline.runtime import quiet_ray_data
-
-    quiet_ray_data(progress=False)
     clock = {"loop_start": time.time()}  # wall-clock times (the driver compares them with the command's start)
     plan = loop_config["plan"]
     if not isinstance(plan, pipeline.IngestPlan):  # a PlanBox: the driver is still validating and fitting

@@ -82,3 +82,31 @@ def test_notebook_example_trains_and_serves(data, label, metric):
     assert f"validation {metric}" in out and "served:" in out
     kind = "multiclass (4 classes)" if label == "segment" else "regression"
     assert f"targets: '{label}' {kind}" in out
+
+
+@pytest.mark.parametrize("path", ["pipeline/train.py", "examples/ray_train_loop.py", "examples/torchrun_loop.py",
+                                  "examples/notebook.py"])
+def test_the_job_and_the_examples_use_only_the_public_api(path):
+    """The built-in job is one client of the API, like the examples: every name they take from the
+    package is one of `pipeline.__all__`, and no module inside it is imported (no `pipeline.x`)."""
+    import ast
+
+    import pipeline
+
+    tree = ast.parse((REPO / path).read_text())
+    used = []  # (line, what)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "pipeline":
+            if node.module != "pipeline":
+                used.append((node.lineno, f"from {node.module} import ..."))
+            used += [(node.lineno, a.name) for a in node.names if a.name not in pipeline.__all__]
+        elif isinstance(node, ast.ImportFrom) and node.level:  # relative: inside the package
+            used.append((node.lineno, f"from {'.' * node.level}{node.module or ''} import ..."))
+        elif isinstance(node, ast.Import):
+            used += [(node.lineno, a.name) for a in node.names if a.name.startswith("pipeline.")]
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "pipeline"
+              and node.attr not in pipeline.__all__):
+            used.append((node.lineno, f"pipeline.{node.attr}"))
+    assert not used, f"{path} reaches inside the package: {used}"
+    for name in pipeline.__all__:  # and every public name resolves
+        assert getattr(pipeline, name) is not None, name
