@@ -126,9 +126,7 @@ def summary_table(summary: dict) -> str:
 def cmd_train(cfg: config_mod.Config, args) -> int:
     from . import runtime, train
 
-    t0 = time.time()
-    runtime.init_ray(cfg)
-    summary = train.run(cfg, started=COMMAND_START, ray_s=time.time() - t0)
+    summary = train.run(cfg, started=COMMAND_START, start_ray=runtime.init_ray)
     print(summary_table(summary))
     print(f"\n[rows] {summary['accounting_summary']}")
     print(f"[train] done in {summary['wall_s']:.1f}s; run folder {summary['run']}; checkpoint {summary['checkpoint']}; "

@@ -305,8 +305,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
 # On the driver
 
 
-def plan_run(cfg: Config, out_uri: str) -> "pipeline.IngestPlan":
-    plan = prepare_run(cfg, out_uri, cfg.train.num_workers)
+def plan_run(cfg: Config, out_uri: str, use_ray: bool | None = None) -> "pipeline.IngestPlan":
+    plan = prepare_run(cfg, out_uri, cfg.train.num_workers, use_ray=use_ray)
     if not plan.accounting.balanced:
         raise DataError(f"row accounting does not balance: {plan.accounting.summary()}; was data.path modified "
                         f"during the run?")
@@ -325,29 +325,49 @@ def workers_beside_fit(cfg: Config) -> bool:
 def fit_beside(trainer, box, make_plan: Callable[[], "pipeline.IngestPlan"]):
     """trainer.fit() in a thread while make_plan() runs here; the plan goes into the box the workers
     wait on. A failed make_plan raises at once (the workers find None in the box and end)."""
-    import threading
-
-    out: dict[str, Any] = {}
-
-    def fit() -> None:
-        try:
-            out["result"] = trainer.fit()
-        except BaseException as e:  # re-raised below, in the caller's thread
-            out["error"] = e
-
-    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
-    thread.start()
+    fit = Background(trainer.fit)
     try:
         plan = make_plan()
     except BaseException:
         box.put.remote(None)
         raise
     box.put.remote(plan)
-    while thread.is_alive():
-        thread.join(timeout=0.5)  # in slices, so that Ctrl-C reaches this thread
-    if "error" in out:
-        raise out["error"]
-    return plan, out["result"]
+    return plan, fit.result()
+
+
+def plan_while_ray_starts(cfg: Config) -> bool:
+    """The fit pass needs no Ray when it runs in this process (run.fit_on local, or auto on the one
+    node of a private local Ray), so it can run while that Ray starts: its processes spend most of
+    their seconds being spawned and importing, the fit's threads in pyarrow and numpy."""
+    import ray
+
+    private = not ray.is_initialized() and (cfg.run.ray_address or os.environ.get("RAY_ADDRESS") or "local") == "local"
+    return private and cfg.run.fit_on != "ray"
+
+
+class Background:
+    """fn(*args) in a daemon thread (a failure while Ray starts ends the command without waiting for
+    it); result() re-raises its exception in the caller's thread."""
+
+    def __init__(self, fn: Callable, *args) -> None:
+        import threading
+
+        self._out: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, args=(fn, *args), name="plan", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, *args) -> None:
+        try:
+            self._out["result"] = fn(*args)
+        except BaseException as e:  # re-raised by result(), in the caller's thread
+            self._out["error"] = e
+
+    def result(self):
+        while self._thread.is_alive():
+            self._thread.join(timeout=0.5)  # in slices, so that Ctrl-C reaches the main thread
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["result"]
 
 
 class PlanBox:
@@ -415,14 +435,14 @@ def check_cluster_fits(workers: int, use_gpu: bool) -> None:
               f"transforms its share inside its own worker process", flush=True)
 
 
-def prepare_run(cfg: Config, out_uri: str, world_size: int) -> "pipeline.IngestPlan":
+def prepare_run(cfg: Config, out_uri: str, world_size: int, use_ray: bool | None = None) -> "pipeline.IngestPlan":
     """Validate, fit (or, resuming, reuse the run's preprocessor), plan; save the preprocessor and the
     quarantine manifest to the run folder and print what was decided."""
     saved = storage.join(out_uri, PREPROCESSOR_FILE)
     earlier = cfg.run.resume and storage.exists(*storage.filesystem(saved))
     manifest = storage.join(out_uri, QUARANTINE_FILE)
     try:
-        plan = pipeline.prepare(config=cfg, world_size=world_size, fitted=saved if earlier else None)
+        plan = pipeline.prepare(config=cfg, world_size=world_size, fitted=saved if earlier else None, use_ray=use_ray)
     except NoUsableRows as e:  # nothing to train on: the manifest still says what was set aside, and why
         if not e.manifest_jsonl:
             raise
@@ -444,33 +464,55 @@ def prepare_run(cfg: Config, out_uri: str, world_size: int) -> "pipeline.IngestP
 
 def first_step_line(started: float, ray_s: float, plan, history: list) -> tuple[str, dict]:
     """'[time] first training step N s after the command started: ...' and its figures. started: the
-    command's wall-clock start; the workers' clock marks come from rank 0's first epoch."""
+    command's wall-clock start; the workers' clock marks come from rank 0's first epoch. Stages that
+    ran at the same time are said together, with the seconds until both were done."""
     clock = history[0].get("clock", {}) if history else {}
     if "first_step" not in clock:
         return "", {}
     t = plan.timings
     ready = clock.get("plan_ready", clock["loop_start"])  # the rank had both its process and the plan
     beside = t["trainer_started_at"] < t["planned_at"]  # the workers started while the driver fitted
-    stages = {"start Ray": ray_s, "validate": t["validate_s"], "fit pass": t["fit_s"],
-              "start the training workers": clock["loop_start"] - t["trainer_started_at"]}
-    if beside:  # on the path to the first step: whichever of the two took longer
-        stages["plan and workers both ready"] = ready - t["trainer_started_at"]
-    else:
-        stages["start the training workers"] = clock["loop_start"] - t["planned_at"]
-    stages["read this rank's share"] = clock["data_ready"] - ready
-    stages["first step (model, DDP, one batch)"] = clock["first_step"] - clock["data_ready"]
+    ray_span = t.get("ray_span")  # Ray started while the driver validated and fitted
     total = clock["first_step"] - started
-    hidden = ("validate", "fit pass", "start the training workers") if beside else ()
-    stages["other (imports, config)"] = total - sum(v for k, v in stages.items() if k not in hidden)
-    said = [f"{k} {v:.1f}s" for k, v in stages.items()]
-    if beside:  # "validate 0.0s + fit pass 2.8s beside start the training workers 9.0s (9.1s for both)"
-        said[1:5] = [f"{said[1]} + {said[2]} beside {said[3]} ({stages['plan and workers both ready']:.1f}s for both)"]
+    fig = {"start Ray": ray_s, "validate": t["validate_s"], "fit pass": t["fit_s"],
+           "start the training workers": clock["loop_start"] - t["trainer_started_at"]}
+    if ray_span:
+        fig["Ray and the plan both ready"] = max(ray_span[1], t["planned_at"]) - ray_span[0]
+    if beside:
+        fig["plan and workers both ready"] = ready - t["trainer_started_at"]
+    fig["read this rank's share"] = clock["data_ready"] - ready
+    fig["first step (model, DDP, one batch)"] = clock["first_step"] - clock["data_ready"]
+    s = {k: f"{k} {v:.1f}s" for k, v in fig.items()}
+    fit = f"{s['validate']} + {s['fit pass']}"
+    if ray_span and beside:  # Ray, then the workers, both while the driver fitted
+        said = [f"{s['start Ray']} beside {fit}",
+                f"{s['start the training workers']} beside the rest of the fit "
+                f"({fig['plan and workers both ready']:.1f}s for both)"]
+        path = ["start Ray", "plan and workers both ready"]
+    elif ray_span:
+        said = [f"{s['start Ray']} beside {fit} ({fig['Ray and the plan both ready']:.1f}s for both)",
+                s["start the training workers"]]
+        path = ["Ray and the plan both ready", "start the training workers"]
+    elif beside:
+        said = [s["start Ray"], f"{fit} beside {s['start the training workers']} "
+                                f"({fig['plan and workers both ready']:.1f}s for both)"]
+        path = ["start Ray", "plan and workers both ready"]
+    else:
+        said = [s["start Ray"], s["validate"], s["fit pass"], s["start the training workers"]]
+        path = ["start Ray", "validate", "fit pass", "start the training workers"]
+    path += ["read this rank's share", "first step (model, DDP, one batch)"]
+    fig["other (imports, config)"] = total - sum(fig[k] for k in path)
+    said += [s["read this rank's share"], s["first step (model, DDP, one batch)"],
+             f"other (imports, config) {fig['other (imports, config)']:.1f}s"]
     line = f"[time] first training step {total:.1f}s after the command started: " + ", ".join(said)
-    return line, {"total_s": round(total, 2), **{k: round(v, 2) for k, v in stages.items()}}
+    return line, {"total_s": round(total, 2), **{k: round(v, 2) for k, v in fig.items()}}
 
 
-def run(cfg: Config, started: float | None = None, ray_s: float = 0.0) -> dict[str, Any]:
-    """The whole job; returns the summary that is also written to <output>/<name>/metrics.json."""
+def run(cfg: Config, started: float | None = None, ray_s: float = 0.0,
+        start_ray: Callable[[Config], None] | None = None) -> dict[str, Any]:
+    """The whole job; returns the summary that is also written to <output>/<name>/metrics.json.
+    start_ray(cfg), when given, connects to or starts Ray (the CLI's runtime.init_ray); a private
+    local Ray then starts while the driver validates and fits (plan_while_ray_starts)."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -484,6 +526,15 @@ def run(cfg: Config, started: float | None = None, ray_s: float = 0.0) -> dict[s
     t_start = time.perf_counter()
     started = started or time.time()
     check_resume(cfg, out_uri)
+    early = None  # the plan, made while Ray starts
+    if start_ray is not None:
+        if plan_while_ray_starts(cfg):
+            early = Background(plan_run, cfg, out_uri, False)
+        t0 = time.time()
+        start_ray(cfg)
+        ray_s = time.time() - t0
+        if early is not None:
+            early.ray_span = (t0, t0 + ray_s)
     use_gpu = cfg.train.use_gpu == "true" or (cfg.train.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
     check_cluster_fits(cfg.train.num_workers, use_gpu)
     # Ray Train writes through the filesystem pipeline.storage builds (same endpoint, addressing style
@@ -508,12 +559,14 @@ def run(cfg: Config, started: float | None = None, ray_s: float = 0.0) -> dict[s
         # so Ray Train starts its workers now and they take the plan from a PlanBox once it exists.
         box = ray.remote(num_cpus=0)(PlanBox).remote()
         started_at = time.time()
-        plan, result = fit_beside(trainer(box), box, lambda: plan_run(cfg, out_uri))
+        plan, result = fit_beside(trainer(box), box, early.result if early else lambda: plan_run(cfg, out_uri))
     else:  # ray_data: the plan's DataConfig is part of the trainer, so the plan comes first
-        plan = plan_run(cfg, out_uri)
+        plan = early.result() if early else plan_run(cfg, out_uri)
         started_at = time.time()
         result = trainer(plan, **plan.trainer_kwargs(cpus_per_worker=0.0 if use_gpu else 1.0)).fit()
     plan.timings["trainer_started_at"] = started_at
+    if early is not None:
+        plan.timings["ray_span"] = early.ray_span
     acct = plan.accounting
     history = result.return_value or []
     if not history and result.checkpoint is not None:

@@ -149,3 +149,26 @@ def test_workers_started_beside_the_fit_train_exactly_as_after_it(ray_local, dem
     while ray_local.available_resources().get("CPU", 0) < ray_local.cluster_resources()["CPU"]:
         assert time.monotonic() < deadline, "the workers started beside a failed fit still hold CPUs"
         time.sleep(0.5)
+
+
+@pytest.mark.parametrize("ray_beside,workers_beside", [(False, False), (True, False), (False, True), (True, True)])
+def test_time_line_stages_on_the_path_add_up_to_the_total(ray_beside, workers_beside):
+    """Whatever overlapped (Ray's start with the fit, the workers' start with the fit), the stages on
+    the path to the first step plus 'other' are the total, and each overlapped pair is said together."""
+    from types import SimpleNamespace
+
+    t0 = 1000.0
+    ray_end = t0 + 1.0 + 3.0
+    planned = t0 + 1.0 + (2.5 if ray_beside else 3.0 + 2.5)  # validate + fit after Ray, or beside it
+    trainer = (ray_end + 0.1) if workers_beside else max(planned, ray_end) + 0.2
+    loop = trainer + 7.0
+    ready = max(loop, planned + 0.3) if workers_beside else loop
+    clock = {"loop_start": loop, "plan_ready": ready, "data_ready": ready + 1.5, "first_step": ready + 2.5}
+    timings = {"validate_s": 0.1, "fit_s": 2.4, "planned_at": planned, "trainer_started_at": trainer}
+    if ray_beside:
+        timings["ray_span"] = (t0 + 1.0, ray_end)
+    line, fig = train.first_step_line(t0, 3.0, SimpleNamespace(timings=timings), [{"clock": clock}])
+    assert fig["total_s"] == pytest.approx(clock["first_step"] - t0)
+    assert fig["other (imports, config)"] == pytest.approx(1.0, abs=0.35), (line, fig)  # the 1 s before Ray
+    assert ("beside validate" in line) == ray_beside and ("for both" in line) == (ray_beside or workers_beside), line
+    assert line.startswith(f"[time] first training step {fig['total_s']:.1f}s"), line
