@@ -119,6 +119,10 @@ def _kill_head(proc: subprocess.Popen, temp_dir: str) -> None:
         warnings.warn(f"processes of the test Ray head under {temp_dir} survived SIGKILL: {left}")
 
 
+class PortTaken(Exception):
+    """A port free_ports found was taken by another process before the head bound it."""
+
+
 def _wait_until_jobs_run(head: Head, proc: subprocess.Popen, log_path: str, timeout: float = 240) -> None:
     """Until a trivial job has run. The dashboard answers HTTP before the head's job agent registers;
     a submission in between fails with 500 "No available agent to submit job" (seen on a loaded machine)."""
@@ -132,6 +136,8 @@ def _wait_until_jobs_run(head: Head, proc: subprocess.Popen, log_path: str, time
                                                                   submission_id=f"warmup-{uuid.uuid4().hex[:8]}")
         except Exception as e:  # connection refused, or 500 until the agent is up
             last_error = e
+            if proc.poll() is not None and "address already in use" in Path(log_path).read_text():
+                raise PortTaken(log_path) from None
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"ray start --head did not accept jobs (exit {proc.poll()}; last error {last_error}):\n"
                             + Path(log_path).read_text()[-4000:])
@@ -147,22 +153,34 @@ def _wait_until_jobs_run(head: Head, proc: subprocess.Popen, log_path: str, time
 @pytest.fixture(scope="module")
 def ray_head():
     temp_dir = tempfile.mkdtemp(prefix="/tmp/rj")  # short: Ray's unix socket paths must stay < 107 chars
-    gcs, dashboard, client, agent = free_ports(4)
     env = _ray_env()
-    # Inherited by every process of this cluster (jobs' drivers and workers included): Ray code that
-    # looks for "the" local cluster (Train's PlacementGroupCleaner uses the state API) must find this
-    # one even when another Ray runs on the machine ("Found multiple active Ray instances").
-    env["RAY_ADDRESS"] = f"127.0.0.1:{gcs}"
-    cmd = [RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
-           "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--include-dashboard", "true",
-           "--ray-client-server-port", str(client), "--dashboard-agent-listen-port", str(agent),
-           "--num-cpus", "4", "--temp-dir", temp_dir, "--disable-usage-stats"]
-    log_path = os.path.join(temp_dir, "ray-start.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    head = Head(f"http://127.0.0.1:{dashboard}", temp_dir, env)
+    for attempt in range(3):  # a port found free can be taken before the head binds it: new ports, again
+        gcs, dashboard, client, agent = free_ports(4)
+        # Inherited by every process of this cluster (jobs' drivers and workers included): Ray code that
+        # looks for "the" local cluster (Train's PlacementGroupCleaner uses the state API) must find this
+        # one even when another Ray runs on the machine ("Found multiple active Ray instances").
+        env["RAY_ADDRESS"] = f"127.0.0.1:{gcs}"
+        cmd = [RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
+               "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--include-dashboard", "true",
+               "--ray-client-server-port", str(client), "--dashboard-agent-listen-port", str(agent),
+               "--num-cpus", "4", "--temp-dir", temp_dir, "--disable-usage-stats"]
+        log_path = os.path.join(temp_dir, f"ray-start-{attempt}.log")
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        head = Head(f"http://127.0.0.1:{dashboard}", temp_dir, env)
+        try:
+            _wait_until_jobs_run(head, proc, log_path)
+            break
+        except PortTaken:
+            _kill_head(proc, temp_dir)
+        except BaseException:
+            _kill_head(proc, temp_dir)
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            raise
+    else:
+        pytest.fail(f"ray start --head found its ports taken 3 times: {Path(log_path).read_text()[-2000:]}")
     try:
-        _wait_until_jobs_run(head, proc, log_path)
         yield head
     finally:
         _kill_head(proc, temp_dir)
