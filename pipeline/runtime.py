@@ -72,8 +72,38 @@ def init_ray(cfg: Config) -> None:
         private_quiet()
         ray.init(address="local", num_cpus=cpus, runtime_env={"worker_process_setup_hook": quiet_worker}, **kwargs)
     else:
-        ray.init(address=address, **kwargs)
+        join(address, kwargs)
     quiet_ray_data()
+
+
+def join(address: str, kwargs: dict) -> None:
+    """ray.init(address) for an existing cluster. Ray turns a loopback host (127.0.0.1, localhost) into
+    this machine's network address, which misses a cluster started with --node-ip-address 127.0.0.1;
+    so for a loopback host the driver tries as Ray resolves it, then on loopback. A cluster that cannot
+    be reached is one paragraph with the address and the fix, never Ray's traceback."""
+    import ray
+
+    from .errors import PipelineError
+
+    host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
+    tries = [False, True] if host in ("127.0.0.1", "localhost", "::1") else [False]
+    error: Exception | None = None
+    for on_loopback in tries:
+        if on_loopback:
+            loopback_only()
+        try:
+            ray.init(address=address, **kwargs)
+            return
+        except ConnectionError as e:
+            error = e
+            if ray.is_initialized():
+                ray.shutdown()
+    raise PipelineError(f"cannot reach the Ray cluster at run.ray_address = '{address}' ({error}). Check that it "
+                        f"runs (`ray status --address {address}`), that the address is the head's GCS address "
+                        f"(host:port of `ray start --head --port`, or ray://host:10001 for Ray Client) and that "
+                        f"this machine can reach it, with the cluster's token where it uses token authentication "
+                        f"(RAY_AUTH_TOKEN or ~/.ray/auth_token, the same RAY_AUTH_MODE on both sides); '' starts a "
+                        f"private local Ray instead") from error
 
 
 def quiet_worker() -> None:
