@@ -103,16 +103,15 @@ def cmd_fit(cfg: config_mod.Config, args) -> int:
 
 def summary_table(summary: dict) -> str:
     """The train job's closing table: one value and baseline column per target, one row per epoch."""
-    from .train import target_metric
+    from .train import target_keys
 
     rows, targets = summary["epochs"], summary["targets"]
     lines, cols = [""], []  # cols: (header, value key, baseline key), one per target
     for t in targets:
-        name = target_metric(t["kind"])
+        name, value_key, base_key = target_keys(t["name"], t["kind"])
         lines.append(f"target '{t['name']}' ({t['kind']}): {name} on the validation rows, beside the baseline "
                      f"({'predicting the training mean' if name == 'val_rmse' else 'the majority class'})")
-        cols.append((name if len(targets) == 1 else f"{t['name']}:{name}", f"{t['name']}:{name}",
-                     f"{t['name']}:baseline_{name.removeprefix('val_')}"))
+        cols.append((name if len(targets) == 1 else value_key, value_key, base_key))
     lines.append("epoch  train_loss" + "".join(f"  {h:>{max(8, len(h))}}  baseline" for h, _, _ in cols)
                  + "  rows/s       data_wait%")
     for m in rows:
@@ -126,7 +125,8 @@ def summary_table(summary: dict) -> str:
 def cmd_train(cfg: config_mod.Config, args) -> int:
     from . import runtime, train
 
-    summary = train.run(cfg, started=COMMAND_START, start_ray=runtime.init_ray)
+    summary = train.run(cfg, started=COMMAND_START, start_ray=runtime.init_ray,
+                        starts_private_ray=runtime.address(cfg) == "local")
     print(summary_table(summary))
     print(f"\n[rows] {summary['accounting_summary']}")
     print(f"[train] done in {summary['wall_s']:.1f}s; run folder {summary['run']}; checkpoint {summary['checkpoint']}; "

@@ -48,6 +48,16 @@ class _DropOptOutNotice(logging.Filter):
         return "to opt out" not in record.getMessage()
 
 
+def address(cfg: Config) -> str:
+    """Where init_ray goes: run.ray_address, else RAY_ADDRESS (inside `ray job submit`), else "local"
+    (a private local Ray), unless Ray is already initialised in this process (then: "")."""
+    import ray
+
+    if ray.is_initialized():
+        return ""
+    return cfg.run.ray_address or os.environ.get("RAY_ADDRESS") or "local"
+
+
 def init_ray(cfg: Config) -> None:
     """Join the cluster named by run.ray_address, or start a private local one.
 
@@ -65,14 +75,14 @@ def init_ray(cfg: Config) -> None:
     # A runtime_env only for the private Ray: inside `ray job submit` the job's own (jobs/runtime_env.yaml)
     # applies, and Ray refuses to start a driver whose ray.init(runtime_env=...) conflicts with it.
     kwargs = dict(logging_level=logging.WARNING, configure_logging=True)
-    address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS") or "local"
-    if address == "local":
+    where = address(cfg)
+    if where == "local":
         cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, cfg.train.num_workers + 2)
         loopback_only()
         private_quiet()
         ray.init(address="local", num_cpus=cpus, runtime_env={"worker_process_setup_hook": quiet_worker}, **kwargs)
     else:
-        join(address, kwargs)
+        join(where, kwargs)
     quiet_ray_data()
 
 

@@ -146,17 +146,15 @@ def evaluate(model: nn.Module, data, fitted, device: torch.device, chunk: int = 
         return {"val_rows": 0}
     out_m: dict[str, Any] = {"val_rows": int(total), "val_loss": sums[1] / total}
     for j, t in enumerate(targets):
+        name, value_key, base_key = target_keys(t.name, t.kind)
         if t.kind == "regression":
             m = fitted.stats["targets"][t.name]
             value = float(np.sqrt(sums[2 + j] / total)) * t.std  # back in the target's units
             baseline = float(m["std"])  # RMSE of predicting the training mean
-            out_m[f"{t.name}:val_rmse"], out_m[f"{t.name}:baseline_rmse"] = value, baseline
-            name = "val_rmse"
         else:
             value = sums[2 + j] / total
             baseline = max(t.counts) / max(1, sum(t.counts))  # the training rows' majority class
-            out_m[f"{t.name}:val_acc"], out_m[f"{t.name}:baseline_acc"] = value, baseline
-            name = "val_acc"
+        out_m[value_key], out_m[base_key] = value, baseline
         if j == 0:
             out_m.update(metric=name, val_metric=value, baseline=baseline)
             out_m[name] = value
@@ -164,17 +162,18 @@ def evaluate(model: nn.Module, data, fitted, device: torch.device, chunk: int = 
     return out_m
 
 
-def target_metric(kind: str) -> str:
-    return "val_rmse" if kind == "regression" else "val_acc"
+def target_keys(name: str, kind: str) -> tuple[str, str, str]:
+    """A target's metric and its metrics.json keys: ('val_acc', 'segment:val_acc', 'segment:baseline_acc')."""
+    metric = "val_rmse" if kind == "regression" else "val_acc"
+    return metric, f"{name}:{metric}", f"{name}:baseline_{metric.removeprefix('val_')}"
 
 
 def target_figures(metrics: dict, targets) -> str:
     """'val_acc 0.8229 (baseline 0.5331)', one per target ('segment: val_acc ...' when there are several)."""
     parts = []
     for t in targets:
-        name = target_metric(t.kind)
-        value = metrics.get(f"{t.name}:{name}", float("nan"))
-        base = metrics.get(f"{t.name}:baseline_{name.removeprefix('val_')}", float("nan"))
+        name, value_key, base_key = target_keys(t.name, t.kind)
+        value, base = metrics.get(value_key, float("nan")), metrics.get(base_key, float("nan"))
         parts.append(f"{t.name + ': ' if len(targets) > 1 else ''}{name} {value:.4f} (baseline {base:.4f})")
     return ", ".join(parts)
 
@@ -333,16 +332,6 @@ def fit_beside(trainer, box, make_plan: Callable[[], "pipeline.IngestPlan"]):
         raise
     box.put.remote(plan)
     return plan, fit.result()
-
-
-def plan_while_ray_starts(cfg: Config) -> bool:
-    """The fit pass needs no Ray when it runs in this process (run.fit_on local, or auto on the one
-    node of a private local Ray), so it can run while that Ray starts: its processes spend most of
-    their seconds being spawned and importing, the fit's threads in pyarrow and numpy."""
-    import ray
-
-    private = not ray.is_initialized() and (cfg.run.ray_address or os.environ.get("RAY_ADDRESS") or "local") == "local"
-    return private and cfg.run.fit_on != "ray"
 
 
 class Background:
@@ -509,10 +498,12 @@ def first_step_line(started: float, ray_s: float, plan, history: list) -> tuple[
 
 
 def run(cfg: Config, started: float | None = None, ray_s: float = 0.0,
-        start_ray: Callable[[Config], None] | None = None) -> dict[str, Any]:
+        start_ray: Callable[[Config], None] | None = None, starts_private_ray: bool = False) -> dict[str, Any]:
     """The whole job; returns the summary that is also written to <output>/<name>/metrics.json.
-    start_ray(cfg), when given, connects to or starts Ray (the CLI's runtime.init_ray); a private
-    local Ray then starts while the driver validates and fits (plan_while_ray_starts)."""
+    start_ray(cfg), when given, connects to or starts Ray (the CLI's runtime.init_ray). When it starts
+    a private local Ray (starts_private_ray) and the fit runs in this process (run.fit_on local, or
+    auto on that one node), the fit needs no Ray and runs while Ray starts: Ray's processes spend most
+    of their seconds being spawned and importing, the fit's threads in pyarrow and numpy."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -528,7 +519,7 @@ def run(cfg: Config, started: float | None = None, ray_s: float = 0.0,
     check_resume(cfg, out_uri)
     early = None  # the plan, made while Ray starts
     if start_ray is not None:
-        if plan_while_ray_starts(cfg):
+        if starts_private_ray and cfg.run.fit_on != "ray":
             early = Background(plan_run, cfg, out_uri, False)
         t0 = time.time()
         start_ray(cfg)
