@@ -79,7 +79,9 @@ class Columns:
 
 
 def _combined(col: pa.ChunkedArray | pa.Array) -> pa.Array:
-    return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if isinstance(col, pa.ChunkedArray):
+        return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()  # one chunk: no copy
+    return col
 
 
 def as_float64(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
@@ -110,6 +112,33 @@ def as_string(col: pa.ChunkedArray | pa.Array) -> pa.Array:
         col = pc.if_else(whole, pc.cast(as_int, pa.string()), pc.cast(col, pa.string()))
         return col
     return pc.cast(col, pa.string())
+
+
+def category_ids(col: pa.ChunkedArray | pa.Array, values: pa.Array) -> np.ndarray:
+    """int32 [n]: each value's position in `values` (a string array) plus one, 0 for a null or a value
+    not there. A dictionary column (how the reader hands string categoricals over, see source.opened)
+    is looked up once per dictionary entry instead of once per row; the ids are the same."""
+    arr = _combined(col)
+    if not pa.types.is_dictionary(arr.type):
+        return pc.fill_null(pc.index_in(as_string(arr), value_set=values), -1).to_numpy(zero_copy_only=False) + 1
+    ids = np.zeros(len(arr.dictionary) + 1, np.int32)  # the last slot: null
+    ids[:-1] = pc.fill_null(pc.index_in(as_string(arr.dictionary), value_set=values), -1).to_numpy(zero_copy_only=False) + 1
+    return ids[pc.fill_null(arr.indices, len(arr.dictionary)).to_numpy(zero_copy_only=False)]
+
+
+def value_counts(col: pa.ChunkedArray | pa.Array) -> dict[str, int]:
+    """{value as text (as_string): rows} for the non-null values; a dictionary column is counted by its
+    indices, without turning every row into text."""
+    arr = _combined(col)
+    if pa.types.is_dictionary(arr.type):
+        counts = np.bincount(arr.indices.drop_null().to_numpy(zero_copy_only=False), minlength=len(arr.dictionary))
+        out: dict[str, int] = {}
+        for v, n in zip(as_string(arr.dictionary).to_pylist(), counts.tolist()):
+            if n and v is not None:
+                out[v] = out.get(v, 0) + n
+        return out
+    vc = pc.value_counts(as_string(arr))
+    return {v: n for v, n in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()) if v is not None}
 
 
 def as_matrix(col: pa.ChunkedArray | pa.Array, dim: int) -> tuple[np.ndarray, np.ndarray]:

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import storage
-from .columns import Columns, as_float64, as_matrix, as_string
+from .columns import Columns, as_float64, as_matrix, as_string, category_ids, value_counts
 from .errors import DataError
 
 FORMAT = "pipeline.FittedPreprocessor"
@@ -43,12 +43,15 @@ class NumericStats:
     @classmethod
     def of(cls, values: np.ndarray) -> "NumericStats":
         """values: float64, NaN where the input was null; only finite values count (inf is a bad value)."""
-        ok = values[np.isfinite(values)]
+        finite = np.isfinite(values)
+        ok = values if finite.all() else values[finite]
         s = cls(nulls=int(values.size - ok.size))
         if ok.size:
             s.count = int(ok.size)
             s.mean = float(ok.mean())
-            s.m2 = float(((ok - s.mean) ** 2).sum())
+            d = ok - s.mean
+            d *= d  # the same squares, and the same pairwise sum, as ((ok - mean) ** 2).sum()
+            s.m2 = float(d.sum())
             s.min, s.max = float(ok.min()), float(ok.max())
         return s
 
@@ -71,11 +74,6 @@ def _add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     for v, c in b.items():
         out[v] = out.get(v, 0) + c
     return out
-
-
-def _value_counts(arr: pa.Array) -> dict[str, int]:
-    vc = pc.value_counts(arr)
-    return {v: n for v, n in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()) if v is not None}
 
 
 @dataclass
@@ -114,16 +112,19 @@ def feature_values(table: pa.Table, name: str, dim: int) -> np.ndarray:
 def partial_stats(table: pa.Table, cols: Columns) -> PartialStats:
     s = PartialStats(rows=table.num_rows)
     for c, d in zip(cols.numeric, cols.dims):
-        v = feature_values(table, c, d)
-        s.numeric[c] = [NumericStats.of(v[:, j]) for j in range(v.shape[1])]
-        s.null_rows[c] = int((~np.isfinite(v)).any(axis=1).sum())
+        if d:
+            v = feature_values(table, c, d)
+            s.numeric[c] = [NumericStats.of(v[:, j]) for j in range(v.shape[1])]
+            s.null_rows[c] = int((~np.isfinite(v)).any(axis=1).sum())
+        else:
+            s.numeric[c] = [NumericStats.of(as_float64(table[c]))]
+            s.null_rows[c] = s.numeric[c][0].nulls
     for c in cols.categorical:
-        col = as_string(table[c])
-        s.categories[c] = _value_counts(col)
-        s.category_nulls[c] = col.null_count
+        s.categories[c] = value_counts(table[c])
+        s.category_nulls[c] = table[c].null_count
     for t in cols.targets:
         if t.counted:
-            s.target_counts[t.name] = _value_counts(as_string(table[t.name]))
+            s.target_counts[t.name] = value_counts(table[t.name])
         else:
             s.target_moments[t.name] = NumericStats.of(as_float64(table[t.name]))
     return s
@@ -297,37 +298,61 @@ class FittedPreprocessor:
     def pack(self, table: pa.Table) -> np.ndarray:
         """float32 [n, width]: the training layout, one row per input row: standardised features, then
         category ids (int32 bit patterns in float32 slots), then targets, then the weight. A shuffled
-        batch of such rows is one gather (see dataset.py)."""
+        batch of such rows is one gather (see dataset.py). Built a column at a time in a column-major
+        buffer, then turned into rows in one copy: writing each column straight into the rows would touch
+        every row's cache line once per column."""
         f, c, t = self.num_features, len(self.categorical), len(self.targets)
-        rows = np.empty((table.num_rows, self.width), dtype=np.float32)
-        self.features(table, rows[:, :f], rows[:, f:f + c].view(np.int32))
+        columns = np.empty((self.width, table.num_rows), dtype=np.float32)
+        self._features_into(table, columns[:f], columns[f:f + c].view(np.int32))
         if t:
-            rows[:, f + c:f + c + t] = self.target_matrix(table)
+            columns[f + c:f + c + t] = self.target_matrix(table).T
         if self.weight:
-            rows[:, f + c + t] = as_float64(table[self.weight])
-        return rows
+            columns[f + c + t] = as_float64(table[self.weight])
+        return np.ascontiguousarray(columns.T)
 
     def features(self, table: pa.Table, x: np.ndarray | None = None,
                  x_cat: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(x_num float32 [n, F], x_cat int32 [n, C]), written into x / x_cat when given (views are fine)."""
         n = table.num_rows
-        x = np.empty((n, self.num_features), dtype=np.float32) if x is None else x
+        xt = np.empty((self.num_features, n), dtype=np.float32)
+        ct = np.empty((len(self.categorical), n), dtype=np.int32)
+        self._features_into(table, xt, ct)
+        if x is None:
+            x = np.ascontiguousarray(xt.T)
+        else:
+            x[...] = xt.T
+        if x_cat is None:
+            x_cat = np.ascontiguousarray(ct.T)
+        else:
+            x_cat[...] = ct.T
+        return x, x_cat
+
+    def _features_into(self, table: pa.Table, xt: np.ndarray, ct: np.ndarray) -> None:
+        """The features column-major: xt float32 [F, n], ct int32 [C, n]."""
         at = 0
         for c, d in zip(self.numeric, self.dims):
-            v = feature_values(table, c, d)
-            k = v.shape[1]
-            z = (v - np.asarray(self.mean[at:at + k])) / np.asarray(self.std[at:at + k])
-            z[~np.isfinite(z)] = 0.0  # null/NaN/inf is filled with the fitted mean, which standardises to 0
-            x[:, at:at + k] = z
-            at += k
-        for c in self.indicators:
-            x[:, at] = (~np.isfinite(feature_values(table, c, self.dims[self.numeric.index(c)]))).any(axis=1)
+            if d:
+                v = feature_values(table, c, d)
+                k = v.shape[1]
+                z = v - np.asarray(self.mean[at:at + k])
+                z /= np.asarray(self.std[at:at + k])
+                z[~np.isfinite(z)] = 0.0  # null/NaN/inf is filled with the fitted mean, which standardises to 0
+                xt[at:at + k] = z.T
+                at += k
+                continue
+            z = as_float64(table[c]) - self.mean[at]  # a scalar column: 1-D, in place (the same arithmetic)
+            z /= self.std[at]
+            row = xt[at]
+            row[:] = z
+            bad = ~np.isfinite(z)
+            if bad.any():
+                row[bad] = 0.0
             at += 1
-        x_cat = np.empty((n, len(self.categorical)), dtype=np.int32) if x_cat is None else x_cat
+        for c in self.indicators:
+            xt[at] = (~np.isfinite(feature_values(table, c, self.dims[self.numeric.index(c)]))).any(axis=1)
+            at += 1
         for j, (c, vocab) in enumerate(zip(self.categorical, self.vocab)):
-            idx = pc.index_in(as_string(table[c]), value_set=pa.array(vocab, type=pa.string()))
-            x_cat[:, j] = pc.fill_null(idx, -1).to_numpy(zero_copy_only=False) + 1
-        return x, x_cat
+            ct[j] = category_ids(table[c], pa.array(vocab, type=pa.string()))
 
     def target_matrix(self, table: pa.Table, *, strict: bool = False) -> np.ndarray:
         """float32 [n, T]: each target as it travels in the packed rows. NaN marks a value this fit

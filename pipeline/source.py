@@ -375,15 +375,24 @@ def statistics_problem(rg, table: pa.Table) -> str | None:
     return None
 
 
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
 @contextlib.contextmanager
-def opened(uri: str, path: str):
+def opened(uri: str, path: str, dictionary: tuple[str, ...] = ()):
     """The file as a ParquetFile (page checksums verified where the writer stored them), opened once
     for every row group a task reads from it; None when it cannot be opened, and each read then opens
-    it itself and reports why for its own row group."""
+    it itself and reports why for its own row group. dictionary: columns to read as dictionary arrays
+    where the file stores them as strings (categoricals: each distinct value is then looked up once
+    per row group, not once per row; see columns.category_ids)."""
     fs, _ = storage.filesystem(uri)
     try:
         f = fs.open_input_file(path)
         pf = pq.ParquetFile(f, page_checksum_verification=True)
+        as_dict = [c for c in dictionary if c in pf.schema_arrow.names and _is_text(pf.schema_arrow.field(c).type)]
+        if as_dict:  # the same footer, read once
+            pf = pq.ParquetFile(f, page_checksum_verification=True, metadata=pf.metadata, read_dictionary=as_dict)
     except (OSError, pa.ArrowException):
         yield None
         return
@@ -421,6 +430,9 @@ def read_fragment(uri: str, frag: Fragment, columns: list[str], pf: pq.ParquetFi
     part = dict(frag.partition)
     names = set(pf.schema_arrow.names)
     table = pf.read_row_group(frag.row_group, columns=[c for c in columns if c in names])
+    for col in table.columns:
+        if pa.types.is_dictionary(col.type):  # a damaged page can decode to indices past its dictionary
+            col.validate(full=True)
     problem = statistics_problem(pf.metadata.row_group(frag.row_group), table)
     if problem:
         raise DamagedRowGroup(f"decoded values disagree with the footer's statistics ({problem})")

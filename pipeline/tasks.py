@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .columns import Columns
 from .errors import DataError
@@ -112,7 +113,7 @@ def by_file(items: list, path_of, rows_of, same=lambda a, b: True) -> list[list]
 
 def fit_group(spec: ReadSpec, frags: list[Fragment]) -> list[tuple]:
     """fit_fragment over fragments of one file, opened once."""
-    with opened(spec.uri, frags[0].path) as pf:
+    with opened(spec.uri, frags[0].path, spec.columns.categorical) as pf:
         return [fit_fragment(spec, f, pf) for f in frags]
 
 
@@ -132,7 +133,7 @@ def piece_groups(pieces, mix: bool = False) -> list[list[Piece]]:
 def transform_group(spec: ReadSpec, fitted: FittedPreprocessor, pieces: list[Piece]) -> list[Part]:
     """transform_piece over pieces of one file, opened once; pieces of the same row group share one
     read, screen and hold-out split."""
-    with opened(spec.uri, pieces[0].fragment.path) as pf:
+    with opened(spec.uri, pieces[0].fragment.path, spec.columns.categorical) as pf:
         last: dict = {}
         out = []
         for p in pieces:
@@ -161,7 +162,13 @@ Part = tuple  # (packed float32 rows [k, width], global row ids [k], {pass-throu
 
 
 def extras(spec: ReadSpec, table: pa.Table) -> dict[str, np.ndarray]:
-    return {c: table[c].to_numpy(zero_copy_only=False) for c in spec.columns.passthrough}
+    return {c: _plain(table[c]).to_numpy(zero_copy_only=False) for c in spec.columns.passthrough}
+
+
+def _plain(col: pa.ChunkedArray) -> pa.ChunkedArray:
+    """A categorical that is also passed through arrives as a dictionary column (source.opened): its
+    values, decoded (to_numpy of a dictionary column is not the values where they are null)."""
+    return pc.dictionary_decode(col) if pa.types.is_dictionary(col.type) else col
 
 
 def unexpected(e: BaseException, frag: Fragment) -> DataError:

@@ -126,6 +126,27 @@ def test_dictionary_encoded_categorical_is_the_same_as_plain():
     np.testing.assert_array_equal(fitted.transform(dict_table).x_cat, fitted.transform(table).x_cat)
 
 
+def test_dictionary_columns_fit_and_transform_like_plain_ones():
+    """The reader hands string categoricals over as dictionaries (source.opened): their ids and counts
+    must equal the plain column's, with nulls, unused and unseen dictionary entries, chunks with
+    different dictionaries, and dictionaries of numbers (a pandas categorical of ints)."""
+    df = frame(3000, 5)
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    fitted = fit_local(df)
+    color = table["color"].combine_chunks()
+    parts = [color.slice(0, 1000).dictionary_encode(), color.slice(1000).dictionary_encode()]
+    unused = pa.DictionaryArray.from_arrays(parts[0].indices, pa.concat_arrays([parts[0].dictionary, pa.array(["never", "unseen"], parts[0].dictionary.type)]))
+    code = pa.array(df["code"].astype("category"))  # dictionary<int8, int64>
+    assert pa.types.is_dictionary(code.type)
+    dict_table = table.set_column(table.schema.get_field_index("color"), "color", pa.chunked_array([unused, parts[1]]))
+    dict_table = dict_table.set_column(dict_table.schema.get_field_index("code"), "code", code)
+    np.testing.assert_array_equal(fitted.transform(dict_table).x_cat, fitted.transform(table).x_cat)
+    np.testing.assert_array_equal(fitted.pack(dict_table), fitted.pack(table))
+    plain, as_dict = partial_stats(table, COLS), partial_stats(dict_table, COLS)
+    assert as_dict.categories == plain.categories and as_dict.category_nulls == plain.category_nulls
+    assert "never" not in as_dict.categories["color"]  # a dictionary entry no row uses is not a category
+
+
 def test_load_refuses_unknown_format_and_newer_version():
     with pytest.raises(ValueError, match="not a fitted preprocessor"):
         FittedPreprocessor.from_dict({"format": "other"})

@@ -181,6 +181,21 @@ def test_passthrough_columns_travel_beside_their_rows(tmp_path):
         np.testing.assert_allclose((got - plan.fitted.mean[0]) / plan.fitted.std[0], batch.x_num[:, 0], rtol=1e-5)
 
 
+def test_a_categorical_read_as_a_dictionary_is_also_passed_through_with_its_nulls(tmp_path):
+    rng = np.random.default_rng(3)
+    city = rng.choice(["north", "south", "east"], N).astype(object)
+    city[rng.random(N) < 0.1] = None
+    table = pa.table(base() | {"city": pa.array(city, pa.string())})
+    plan = pipeline.prepare(write(tmp_path, table), label="bin_int", numeric=["x"], categorical=["city"],
+                            passthrough=["city"], world_size=2)
+    served = plan.fitted.transform(table).x_cat[:, 0]  # a plain (not dictionary) column, as a user serves it
+    for data in all_rows(plan):
+        for ds in (data.train, data.val):
+            ids = ds.row_id.numpy()
+            assert list(ds.extra["city"]) == [city[i] for i in ids]
+            np.testing.assert_array_equal(ds.x_cat[:, 0].numpy(), served[ids])
+
+
 def test_features_inferred_from_the_schema(tmp_path):
     cols = base() | {"blob": pa.array([b"x"] * N), "nested": pa.array([{"a": 1}] * N),
                      "ts": pa.array(np.arange(N).astype("datetime64[s]")), "id": pa.array(np.arange(N))}
