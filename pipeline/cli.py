@@ -7,6 +7,7 @@ Every config key is also a flag: `--train.epochs 5`, `--data.path s3://bucket/sh
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -125,7 +126,7 @@ def summary_table(summary: dict) -> str:
 def cmd_train(cfg: config_mod.Config, args) -> int:
     from . import runtime, train
 
-    summary = train.run(cfg, started=COMMAND_START, start_ray=runtime.init_ray,
+    summary = train.run(cfg, started=COMMAND_START, start_ray=functools.partial(runtime.init_ray, train=True),
                         starts_private_ray=runtime.address(cfg) == "local")
     print(summary_table(summary))
     print(f"\n[rows] {summary['accounting_summary']}")

@@ -58,8 +58,9 @@ def address(cfg: Config) -> str:
     return cfg.run.ray_address or os.environ.get("RAY_ADDRESS") or "local"
 
 
-def init_ray(cfg: Config) -> None:
-    """Join the cluster named by run.ray_address, or start a private local one.
+def init_ray(cfg: Config, train: bool = False) -> None:
+    """Join the cluster named by run.ray_address, or start a private local one. train: a TorchTrainer
+    follows (prestart_train_coordinator).
 
     A bare `ray.init()` would join whatever /tmp/ray/ray_current_cluster points at (possibly a dead
     cluster), so a local run asks for address="local" explicitly. Inside `ray job submit` the job's
@@ -80,10 +81,33 @@ def init_ray(cfg: Config) -> None:
         cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, cfg.train.num_workers + 2)
         loopback_only()
         private_quiet()
+        if train and cfg.loader.read_share == "worker" and cfg.run.fit_on != "ray":
+            # Ray prestarts idle task workers for a new driver; this job runs no Ray tasks (the driver
+            # fits, the ranks read their own shares), and Ray Train's actors each get a process of their
+            # own (their runtime_env differs), so those would only take CPU from the start (measured at
+            # 10M rows on 2 cores: 0.7 s sooner to the first step without them).
+            kwargs["_system_config"] = {"prestart_worker_first_driver": False}
         ray.init(address="local", num_cpus=cpus, runtime_env={"worker_process_setup_hook": quiet_worker}, **kwargs)
     else:
         join(where, kwargs)
     quiet_ray_data()
+    if train:
+        prestart_train_coordinator()
+
+
+def prestart_train_coordinator() -> None:
+    """Create Ray's AutoscalingCoordinator actor now, while the driver still fits, instead of inside
+    TorchTrainer.fit: Ray Train's controller creates it (named, detached, one per cluster, the same
+    options as here) and waits for it before it starts the workers, a second or more of a new worker
+    process on a small machine. Only an earlier start of what Ray Train starts anyway; where this Ray
+    has no such actor (another version), nothing happens."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+    except ImportError:
+        return
+    get_or_create_autoscaling_coordinator()
 
 
 def join(address: str, kwargs: dict) -> None:
