@@ -145,6 +145,9 @@ class RunSection(_Section):
     resume: bool = Field(False, description="use <output>/<name> exactly and continue from its last checkpoint")
     ray_address: str = Field("", description="'' starts a local Ray; 'auto' or ray://host:port joins a cluster")
     num_cpus: int = Field(0, ge=0, description="CPUs of the local Ray (0: max(cores, workers + 2))")
+    dashboard: bool = Field(False, description="start Ray's dashboard (http://127.0.0.1:8265, its State API, job and "
+                                               "metrics pages) with the private local Ray; off by default: it costs about "
+                                               "1 s of start-up on 2 cores, and that Ray ends with the command anyway")
     fit_on: Literal["auto", "ray", "local"] = Field(
         "auto", description="where the fit pass runs: ray (one task per file, across the cluster), local (threads in "
                             "the driver), auto (ray on a cluster of several nodes, local on one)")

@@ -87,7 +87,9 @@ def init_ray(cfg: Config, train: bool = False) -> None:
             # own (their runtime_env differs), so those would only take CPU from the start (measured at
             # 10M rows on 2 cores: 0.7 s sooner to the first step without them).
             kwargs["_system_config"] = {"prestart_worker_first_driver": False}
-        ray.init(address="local", num_cpus=cpus, runtime_env={"worker_process_setup_hook": quiet_worker}, **kwargs)
+        hook = quiet_worker if cfg.run.dashboard else quiet_worker_without_dashboard
+        ray.init(address="local", num_cpus=cpus, include_dashboard=cfg.run.dashboard,
+                 runtime_env={"worker_process_setup_hook": hook}, **kwargs)
     else:
         join(where, kwargs)
     quiet_ray_data()
@@ -145,6 +147,16 @@ def quiet_worker() -> None:
     names it too): Ray Train's INFO lines (resources requested, worker group started with each pid,
     process group set up) repeat what the [data] and [train] lines say. Its warnings still show."""
     logging.getLogger("ray.train").setLevel(logging.WARNING)
+
+
+def quiet_worker_without_dashboard() -> None:
+    """quiet_worker, for the private local Ray started without its dashboard (run.dashboard = false).
+    Ray Train's PlacementGroupCleaner asks the State API (a dashboard module) every few seconds whether
+    the controller still lives, and warns each time it cannot; it is there to free a dead controller's
+    placement group on a cluster that outlives the job, and this Ray ends with the command, placement
+    groups and all."""
+    quiet_worker()
+    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
 
 
 def quiet_ray_data(progress: bool = True) -> None:

@@ -4,6 +4,7 @@ as `make demo` starts it (token authentication left at Ray's default), prints on
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -36,7 +37,8 @@ def listening(root: psutil.Process) -> dict[tuple[str, str, int], str]:
 
 
 @pytest.mark.slow
-def test_a_local_job_listens_on_loopback_only(tmp_path):
+@pytest.mark.parametrize("dashboard", ["false", "true"])
+def test_a_local_job_listens_on_loopback_only(tmp_path, dashboard):
     from pipeline import demo
 
     demo.generate(str(tmp_path / "data"), rows=4000, shards=2, seed=1)
@@ -45,13 +47,18 @@ def test_a_local_job_listens_on_loopback_only(tmp_path):
     env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")  # as `make demo` runs it: nothing set by the tests
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "train", "--config", "configs/demo.toml",
                              "--data.path", str(tmp_path / "data"), "--run.output", str(tmp_path / "runs"),
-                             "--train.epochs", "2", "--train.hidden", "[8]", "--train.batch_size", "128"],
+                             "--train.epochs", "2", "--train.hidden", "[8]", "--train.batch_size", "128",
+                             "--run.dashboard", dashboard],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: dict = {}
+    processes: set = set()  # the names of every process the job started
     root = psutil.Process(proc.pid)
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:
         seen.update(listening(root))
+        for p in root.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                processes.add(p.name())
         time.sleep(0.2)
     out = proc.communicate(timeout=60)[0] if proc.poll() is not None else ""
     if proc.poll() is None:
@@ -60,6 +67,10 @@ def test_a_local_job_listens_on_loopback_only(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     names = {name for name, _, _ in seen}
     assert {"gcs_server", "raylet"} <= names, seen  # the job's own Ray was watched while it ran
+    # run.dashboard starts Ray's dashboard modules (a process each, their HTTP server on loopback as
+    # checked below) or none: without it Ray keeps only a minimal dashboard process, serving no pages
+    modules = {n for n in processes if n.startswith("ray-dashboard-")}
+    assert bool(modules) == (dashboard == "true"), sorted(processes)
     wide = {k: v for k, v in seen.items() if k[1] not in LOOPBACK}
     # One exception, not Ray's: torch.distributed's TCPStore (the DDP rendezvous Ray Train starts in
     # rank 0's worker) binds every interface and torch has no setting to narrow it (README: Security).
