@@ -56,8 +56,8 @@ def cmd_validate(cfg: config_mod.Config, args) -> int:
     # Collect every bad file (not just the first), then apply the configured policy.
     lenient = cfg.model_copy(update={"quality": cfg.quality.model_copy(update={"on_bad_file": "quarantine"})})
     src = source.inspect(lenient)
-    print(f"[validate] {len(src.shards)} good shards, {src.num_rows:,} rows, {len(src.fragments)} row groups under "
-          f"{src.uri}; {src.describe_columns()}")
+    print(f"[validate] {len(src.shards)} good shards, {src.num_rows:,} rows, {len(src.fragments)} row groups "
+          f"{src.where}; {src.describe_columns()}")
     for b in src.bad_files:
         rows = "rows unknown" if b.rows is None else f"{b.rows:,} rows"
         print(f"[validate] BAD {b.path} ({rows}): {b.reason}")

@@ -16,6 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .errors import DataError
+
 KINDS = ("binary", "multiclass", "regression")
 
 
@@ -29,14 +31,22 @@ def family(t: pa.DataType) -> str:
         return "int"
     if pa.types.is_floating(t) or pa.types.is_decimal(t):
         return "float"
-    if pa.types.is_string(t) or pa.types.is_large_string(t):
-        return "string"
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return "string"  # deltalake 1.x and polars write string_view
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t) or \
+            pa.types.is_fixed_size_binary(t):
+        return "binary"  # a categorical where it holds UTF-8 text (as_string); never inferred as a feature
     if pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_duration(t):
         return "temporal"
-    if (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)) and \
-            family(t.value_type) in ("int", "float", "bool"):
+    if is_list(t) and family(t.value_type) in ("int", "float", "bool"):
         return "vector"
     return str(t)
+
+
+def is_list(t: pa.DataType) -> bool:
+    """Any Arrow list type: list, large_list, fixed_size_list, list_view, large_list_view."""
+    return (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+            or pa.types.is_list_view(t) or pa.types.is_large_list_view(t))
 
 
 NUMERIC_FAMILIES = {"bool", "int", "float", "temporal"}  # can be a number (a scalar feature, a target, a weight)
@@ -84,15 +94,19 @@ def _combined(col: pa.ChunkedArray | pa.Array) -> pa.Array:
     return col
 
 
+def decoded(col: pa.ChunkedArray | pa.Array) -> pa.ChunkedArray | pa.Array:
+    """A dictionary column as its values (string categoricals are read as dictionaries, see
+    source.opened); any other column as it is."""
+    return pc.dictionary_decode(col) if pa.types.is_dictionary(col.type) else col
+
+
 def as_float64(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
     """A scalar numeric column as float64 numpy, NaN for nulls.
 
     Numbers float64 cannot hold exactly (int64/uint64 beyond 2**53, decimals with many digits) are
     rounded to the nearest float64, which is what a float32 feature keeps of them anyway; timestamps,
     dates and durations become their integer count of the type's unit (e.g. microseconds since 1970)."""
-    arr = _combined(col)
-    if pa.types.is_dictionary(arr.type):
-        arr = arr.dictionary_decode()
+    arr = decoded(_combined(col))
     if family(arr.type) == "temporal":
         arr = pc.cast(arr, pa.int64() if not pa.types.is_date32(arr.type) else pa.int32())
     if not pa.types.is_float64(arr.type):
@@ -101,9 +115,7 @@ def as_float64(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
 
 
 def as_string(col: pa.ChunkedArray | pa.Array) -> pa.Array:
-    col = _combined(col)
-    if pa.types.is_dictionary(col.type):
-        col = col.dictionary_decode()
+    col = decoded(_combined(col))
     if pa.types.is_string(col.type):
         return col
     if pa.types.is_floating(col.type):  # 3.0 and 3 are one class; "3.0" would be another
@@ -111,6 +123,13 @@ def as_string(col: pa.ChunkedArray | pa.Array) -> pa.Array:
         whole = pc.equal(pc.cast(as_int, col.type), col)
         col = pc.if_else(whole, pc.cast(as_int, pa.string()), pc.cast(col, pa.string()))
         return col
+    if family(col.type) == "binary":
+        try:
+            return pc.cast(col, pa.string())  # checks the bytes are UTF-8
+        except pa.ArrowInvalid:
+            raise DataError("a binary column listed under data.categorical holds bytes that are not UTF-8 text, so "
+                            "they cannot be vocabulary entries; decode or hash it upstream, or pass it through "
+                            "(data.passthrough)") from None
     return pc.cast(col, pa.string())
 
 
@@ -118,11 +137,14 @@ def category_ids(col: pa.ChunkedArray | pa.Array, values: pa.Array) -> np.ndarra
     """int32 [n]: each value's position in `values` (a string array) plus one, 0 for a null or a value
     not there. A dictionary column (how the reader hands string categoricals over, see source.opened)
     is looked up once per dictionary entry instead of once per row; the ids are the same."""
+    def lookup(a: pa.Array) -> np.ndarray:
+        return pc.fill_null(pc.index_in(as_string(a), value_set=values), -1).to_numpy(zero_copy_only=False) + 1
+
     arr = _combined(col)
     if not pa.types.is_dictionary(arr.type):
-        return pc.fill_null(pc.index_in(as_string(arr), value_set=values), -1).to_numpy(zero_copy_only=False) + 1
+        return lookup(arr)
     ids = np.zeros(len(arr.dictionary) + 1, np.int32)  # the last slot: null
-    ids[:-1] = pc.fill_null(pc.index_in(as_string(arr.dictionary), value_set=values), -1).to_numpy(zero_copy_only=False) + 1
+    ids[:-1] = lookup(arr.dictionary)
     return ids[pc.fill_null(arr.indices, len(arr.dictionary)).to_numpy(zero_copy_only=False)]
 
 

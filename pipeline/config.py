@@ -28,7 +28,14 @@ TargetKind = Literal["auto", "binary", "multiclass", "regression"]
 
 
 class DataSection(_Section):
-    path: str = Field("data/demo", description="directory or URI (s3://, gs://) holding the Parquet shards")
+    path: str = Field("data/demo", description="directory or URI (s3://, gs://) holding the Parquet shards, or the "
+                                                "root of a Delta Lake or Iceberg table (read as of one version)")
+    version: str = Field("", description="a table's version to read: a Delta version number or Iceberg snapshot id, "
+                                         "or an ISO timestamp (the version current then); \"\" the latest. The version "
+                                         "read is printed and saved in fit.json, and every rank reads it")
+    catalog: str = Field("", description="a pyiceberg catalog name (its settings from ~/.pyiceberg.yaml or "
+                                         "PYICEBERG_CATALOG__<NAME>__* variables); data.path is then the table's "
+                                         "identifier (namespace.table)")
     label: str | tuple[str, ...] = Field(
         "label", description="target column, a list of target columns, or \"\" / [] for none (unlabelled data)")
     target_kind: TargetKind | dict[str, TargetKind] = Field(
@@ -43,6 +50,11 @@ class DataSection(_Section):
     exclude: tuple[str, ...] = Field((), description="columns never inferred as features (ids, other targets)")
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="share of rows held out for validation")
     val_seed: int = Field(0, description="seed of the hold-out: a row is held out by a hash of its row id and this")
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version_text(cls, v):
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
     @field_validator("label", mode="before")
     @classmethod

@@ -20,6 +20,7 @@ the rank reads them itself with pyarrow. Either way rank r sees exactly the same
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pickle
@@ -112,7 +113,7 @@ class IngestPlan:
         kinds = ", ".join(f"'{x.name}' {x.kind}" + (f" ({x.num_classes} classes)" if x.num_classes > 2 else "")
                           for x in self.fitted.targets) or "none (unlabelled)"
         return [f"[fit] {len(self.source.shards)} shards, {self.source.num_rows:,} rows, {len(self.source.fragments)} "
-                f"row groups under {self.source.uri}; {self.source.describe_columns()}",
+                f"row groups {self.source.where}; {self.source.describe_columns()}",
                 f"[fit] one pass in {t.get('fit_s', 0):.1f}s ({t.get('fit_on', '?')}): {self.fitted.num_features} "
                 f"numeric features, vocab sizes {dict(zip(self.fitted.categorical, (len(v) for v in self.fitted.vocab)))}; "
                 f"targets: {kinds}",
@@ -127,6 +128,7 @@ class IngestPlan:
         time, row groups, footer size). Plain JSON."""
         storage.write_json(uri, {"format": _FIT_FORMAT, "settings": _fit_settings(self.config),
                                  "files": self.source.fingerprint, "fitted": self.fitted.to_dict(),
+                                 "table": self.source.table.fingerprint if self.source.table else None,
                                  "accounting": self.accounting.to_state()})
 
     def save(self, uri: str) -> None:
@@ -151,7 +153,9 @@ _FIT_FORMAT = "pipeline.Fit/1"
 def _fit_settings(cfg: Config) -> dict[str, Any]:
     """The settings a fit depends on (the data description, quality policies, preprocessing)."""
     d = cfg.to_dict()
-    return {k: d[k] for k in ("data", "quality", "preprocess")}
+    out = {k: d[k] for k in ("data", "quality", "preprocess")}
+    out["data"] = {k: v for k, v in out["data"].items() if k != "version"}  # the table's version read is checked itself
+    return out
 
 
 def load_fit(uri: str, cfg: Config, src: Source) -> tuple[FittedPreprocessor, Accounting]:
@@ -163,6 +167,14 @@ def load_fit(uri: str, cfg: Config, src: Source) -> tuple[FittedPreprocessor, Ac
                             f"written by `python -m pipeline fit` or a train run, or leave it empty to fit again") from None
     if saved.get("format") != _FIT_FORMAT:
         raise PipelineError(f"'{uri}' is not a saved fit (format {saved.get('format')!r}, expected {_FIT_FORMAT!r})")
+    then, table_now = saved.get("table"), src.table.fingerprint if src.table else None
+    if then != table_now:
+        def said(t):
+            return f"the {t[0]} table {t[1]} at version {t[2] or '(none)'}" if t else "a folder of Parquet files"
+
+        pin = f", or read the version it was made from (data.version = {then[2]!r})" if then and table_now else ""
+        raise PipelineError(f"the saved fit '{uri}' was made from {said(then)}, but this run reads {said(table_now)}: its "
+                            f"statistics and row counts would be wrong. Fit again (leave run.fit_from empty){pin}")
     now = _fit_settings(cfg)
     changed = [f"{sec}.{k}: {saved['settings'][sec].get(k)!r} then, {v!r} now" for sec, body in now.items()
                for k, v in body.items() if saved["settings"].get(sec, {}).get(k) != v]
@@ -209,6 +221,19 @@ def _nest(overrides: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def agreed_version(cfg: Config, src: Source) -> Source:
+    """Under torch.distributed every process prepares for itself: where a table's latest version was
+    read, all of them read rank 0's, even when a writer committed between their reads."""
+    dist = _torch_dist()
+    if src.table is None or cfg.data.version or dist is None or dist.get_world_size() == 1:
+        return src
+    versions = [None] * dist.get_world_size()
+    dist.all_gather_object(versions, src.table.version)
+    if versions[dist.get_rank()] == versions[0]:
+        return src
+    return inspect(build_config(cfg, settings={"data.version": versions[0]}))
+
+
 def _ray_ready() -> bool:
     import sys
 
@@ -248,7 +273,7 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
     cfg = build_config(config, path, **data)
     world = world_size or _default_world()
     t0 = time.perf_counter()
-    src = inspect(cfg)
+    src = agreed_version(cfg, inspect(cfg))
     spec = ReadSpec(src.uri, src.columns, cfg.quality.on_bad_file, cfg.quality.on_bad_value, cfg.data.val_fraction,
                     cfg.data.val_seed)
     on_ray = _fit_on_ray(cfg.run.fit_on) if use_ray is None else use_ray
@@ -312,6 +337,21 @@ def _torch_dist():
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def end_process_group_at_exit() -> None:
+    """Registered by rank_data under torch.distributed: at interpreter exit, before finalization,
+    destroy the default process group (where the loop did not) and collect what still holds it (a DDP
+    model is a reference cycle), so that gloo's worker threads are joined while Python still runs.
+    Left to finalization, a gloo thread that drops the last reference to a collective's tensor finds
+    the interpreter gone and kills the process (`terminate called without an active exception`,
+    SIGABRT) after the loop has ended cleanly; under load it happened in about 1 run of 5."""
+    import gc
+
+    dist = _torch_dist()
+    if dist is not None and dist.get_backend() == "gloo":  # local to this process; NCCL's destroy is the user's
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def _default_world() -> int:
@@ -418,6 +458,9 @@ def rank_data(plan: IngestPlan, *, batch_size: int | None = None, seed: int | No
     from .sampler import BatchSampler
 
     launcher, r, w = rank_context()
+    if launcher == "torch.distributed":
+        atexit.unregister(end_process_group_at_exit)  # once, however many times rank_data is called
+        atexit.register(end_process_group_at_exit)
     r = r if rank is None else rank
     w = w if world_size is None else world_size
     if w != plan.world_size or not 0 <= r < w:

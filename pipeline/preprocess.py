@@ -317,37 +317,24 @@ class FittedPreprocessor:
         xt = np.empty((self.num_features, n), dtype=np.float32)
         ct = np.empty((len(self.categorical), n), dtype=np.int32)
         self._features_into(table, xt, ct)
-        if x is None:
-            x = np.ascontiguousarray(xt.T)
-        else:
-            x[...] = xt.T
-        if x_cat is None:
-            x_cat = np.ascontiguousarray(ct.T)
-        else:
-            x_cat[...] = ct.T
+        x = np.empty((n, self.num_features), dtype=np.float32) if x is None else x
+        x_cat = np.empty((n, len(self.categorical)), dtype=np.int32) if x_cat is None else x_cat
+        x[...], x_cat[...] = xt.T, ct.T
         return x, x_cat
 
     def _features_into(self, table: pa.Table, xt: np.ndarray, ct: np.ndarray) -> None:
         """The features column-major: xt float32 [F, n], ct int32 [C, n]."""
         at = 0
         for c, d in zip(self.numeric, self.dims):
-            if d:
-                v = feature_values(table, c, d)
-                k = v.shape[1]
-                z = v - np.asarray(self.mean[at:at + k])
-                z /= np.asarray(self.std[at:at + k])
-                z[~np.isfinite(z)] = 0.0  # null/NaN/inf is filled with the fitted mean, which standardises to 0
-                xt[at:at + k] = z.T
-                at += k
-                continue
-            z = as_float64(table[c]) - self.mean[at]  # a scalar column: 1-D, in place (the same arithmetic)
-            z /= self.std[at]
-            row = xt[at]
-            row[:] = z
+            v = feature_values(table, c, d)  # [n, k]; a scalar column is [n, 1], its transpose one row of xt
+            k = v.shape[1]
+            z = v - np.asarray(self.mean[at:at + k])
+            z /= np.asarray(self.std[at:at + k])  # in place: no second [n, k] temporary
             bad = ~np.isfinite(z)
             if bad.any():
-                row[bad] = 0.0
-            at += 1
+                z[bad] = 0.0  # null/NaN/inf is filled with the fitted mean, which standardises to 0
+            xt[at:at + k] = z.T
+            at += k
         for c in self.indicators:
             xt[at] = (~np.isfinite(feature_values(table, c, self.dims[self.numeric.index(c)]))).any(axis=1)
             at += 1

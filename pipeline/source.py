@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from . import storage
+from . import storage, tables
 from .columns import KINDS, NUMERIC_FAMILIES, Columns, Target, common_length, family
 from .config import Config
 from .errors import DataError, NoUsableRows
@@ -86,6 +86,7 @@ class Source:
     bad_files: tuple[BadFile, ...] = field(default_factory=tuple)
     columns: Columns = Columns()
     inferred: tuple[str, ...] | None = None  # features were inferred from the schema: the columns skipped
+    table: tables.Snapshot | None = None  # a Delta or Iceberg table: the version whose files these are
 
     def conversions(self, stats: dict) -> list[str]:
         """How numbers float64 cannot hold exactly were turned into features, said once per column.
@@ -130,6 +131,11 @@ class Source:
         return [s.fingerprint for s in self.shards] + [[b.path, b.rows, b.reason] for b in self.bad_files]
 
     @property
+    def where(self) -> str:
+        """What was read, for the lines a job prints: the folder, or the table and its version."""
+        return self.table.describe() if self.table else f"under {self.uri}"
+
+    @property
     def quarantined_rows(self) -> int:
         return sum(b.rows or 0 for b in self.bad_files)
 
@@ -163,7 +169,9 @@ def partition_of(path: str, root: str) -> tuple[tuple[str, str | None], ...]:
     return tuple(out)
 
 
-def _footer(fs, path: str, root: str) -> Shard | BadFile:
+def _footer(fs, path: str, root: str, listed: tables.TableFile | None = None) -> Shard | BadFile:
+    """The file's footer as a Shard, or why it cannot be used. listed: the file as a table's version
+    lists it (its partition values and row count come from the table's metadata, not the path)."""
     try:
         with fs.open_input_file(path) as f:
             size = f.size()
@@ -179,16 +187,25 @@ def _footer(fs, path: str, root: str) -> Shard | BadFile:
                 return BadFile(path, f"truncated: {size} bytes and no Parquet footer at the end (ends with {tail!r})", None)
             md = pq.ParquetFile(f).metadata
             schema = md.schema.to_arrow_schema()
+    except FileNotFoundError:
+        if listed is None:
+            raise
+        return BadFile(path, "listed by the table's version but missing (removed by a vacuum, or by hand, while that "
+                             "version is still read?)", listed.rows)
     except (OSError, pa.ArrowException) as e:
         if "encrypt" in str(e).lower() or "decrypt" in str(e).lower():
             return BadFile(path, f"encrypted Parquet file ({e}): {_NEEDS_KEYS}", None)
         return BadFile(path, f"unreadable Parquet footer ({e})", None)
+    if listed is not None and listed.rows is not None and listed.rows != md.num_rows:
+        return BadFile(path, f"holds {md.num_rows} rows but the table records {listed.rows} for it (the file was "
+                             f"replaced behind the table's back)", listed.rows)
     groups = tuple(md.row_group(g).num_rows for g in range(md.num_row_groups))
     try:
         mtime = fs.get_file_info(path).mtime_ns
     except (OSError, pa.ArrowException):
         mtime = None
-    return Shard(path, md.num_rows, groups, size, schema, partition_of(path, root), mtime, md.serialized_size)
+    partition = listed.partition if listed is not None else partition_of(path, root)
+    return Shard(path, md.num_rows, groups, size, schema, partition, mtime, md.serialized_size)
 
 
 def column_types(shard: Shard) -> dict[str, str]:
@@ -228,7 +245,7 @@ def _column_problem(shard: Shard, cfg: Config, roles, types: dict[str, str], maj
             if fam == "string" and kind in ("binary", "regression"):
                 return (f"target column '{col}' holds strings, data.target_kind says {kind}; set data.target_kind = "
                         f"\"multiclass\" (or \"auto\") or cast the column upstream")
-        if role == "categorical" and fam not in {"bool", "int", "float", "string"}:
+        if role == "categorical" and fam not in {"bool", "int", "float", "string", "binary"}:
             return f"column '{col}' is {fam}, config says categorical (string, integer or bool); cast it upstream"
         # Numbers may widen between shards (int8 here, float64 there); a target's values are the same
         # either way (3 and 3.0 are one class), a category's are not ('3' vs '3.0').
@@ -241,9 +258,9 @@ def _column_problem(shard: Shard, cfg: Config, roles, types: dict[str, str], maj
 
 
 def infer_features(cfg: Config, types: dict[str, str]) -> tuple[list[str], list[str], list[str]]:
-    """(numeric, categorical, skipped) from one shard's column types: numbers and lists of numbers are
-    numeric; strings, dictionaries and bools categorical; the rest skipped. Targets, the weight and
-    data.exclude are never features."""
+    """(numeric, categorical, skipped) from the column types: numbers and lists of numbers are numeric;
+    strings, dictionaries and bools categorical; the rest skipped. Targets, the weight and data.exclude
+    are never features."""
     d = cfg.data
     taken = {*d.targets, d.weight, *d.exclude, *d.passthrough}
     numeric, categorical, skipped = [], [], []
@@ -257,6 +274,22 @@ def infer_features(cfg: Config, types: dict[str, str]) -> tuple[list[str], list[
         else:
             skipped.append(f"{name} ({fam})")
     return numeric, categorical, skipped
+
+
+def common_columns(types: dict[str, dict[str, str]]) -> tuple[dict[str, str], list[str]]:
+    """The columns every file has, each with its most common type family (in first-seen order), and
+    the columns only some files have, named with their count of files: features are inferred from
+    all files' schemas together, never from the first file alone."""
+    files: Counter = Counter()
+    fams: dict[str, Counter] = {}
+    for t in types.values():
+        for name, fam in t.items():
+            files[name] += 1
+            fams.setdefault(name, Counter())[fam] += 1
+    n = len(types)
+    common = {name: c.most_common(1)[0][0] for name, c in fams.items() if files[name] == n}
+    partial = [f"{name} (in {files[name]} of {n} files)" for name in fams if files[name] < n]
+    return common, partial
 
 
 def _vector_dim(fs, shard: Shard, col: str) -> int:
@@ -278,17 +311,34 @@ def _vector_dim(fs, shard: Shard, col: str) -> int:
 def inspect(cfg: Config, uri: str | None = None) -> Source:
     """List shards, read every footer in parallel, check each file against the config."""
     uri = uri or cfg.data.path
-    paths = list_shards(uri)
+    d = cfg.data
+    fmt = "iceberg" if d.catalog else tables.find(uri)
+    table = tables.snapshot(uri, fmt, d.version, d.catalog) if fmt else None
+    if table is not None:
+        listed = {f.path: f for f in table.files}
+        paths = list(listed)
+        if not paths:
+            raise NoUsableRows(f"the {table.describe()}: it holds no rows. Write to the table, or pin a version that "
+                               f"has rows (data.version)", "")
+        uri = table.root
+    else:
+        if d.version:
+            raise DataError(f"data.version = {d.version!r} is set, but '{uri}' is a folder of Parquet files, not a Delta "
+                            f"or Iceberg table, so it has no versions; leave data.version empty or point data.path at "
+                            f"the table's root")
+        listed, paths = {}, list_shards(uri)
     fs, root = storage.filesystem(uri)
     with ThreadPoolExecutor(max_workers=min(32, len(paths))) as pool:
-        found = list(pool.map(lambda p: _footer(fs, p, root), paths))
+        found = list(pool.map(lambda p: _footer(fs, p, root, listed.get(p)), paths))
     good = [s for s in found if isinstance(s, Shard)]
     bad = [b for b in found if isinstance(b, BadFile)]
     types = {s.path: column_types(s) for s in good}
     inferred = not cfg.data.numeric and not cfg.data.categorical
     skipped: list[str] = []
     if inferred and good:
-        numeric, categorical, skipped = infer_features(cfg, types[good[0].path])
+        common, partial = common_columns(types)
+        numeric, categorical, skipped = infer_features(cfg, common)
+        skipped += [p for p in partial if p.split(" (")[0] not in {*d.targets, d.weight, *d.exclude, *d.passthrough}]
     else:
         numeric, categorical = list(cfg.data.numeric), list(cfg.data.categorical)
     roles = _roles(cfg, (numeric, categorical))
@@ -333,7 +383,7 @@ def inspect(cfg: Config, uri: str | None = None) -> Source:
             offset += n
             in_file += n
     return Source(uri, tuple(shards), tuple(fragments), tuple(bad), columns,
-                  tuple(skipped) if inferred else None)
+                  tuple(skipped) if inferred else None, table)
 
 
 def list_reasons(entries: list[dict], most: int = 5) -> str:
@@ -375,10 +425,6 @@ def statistics_problem(rg, table: pa.Table) -> str | None:
     return None
 
 
-def _is_text(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t)
-
-
 @contextlib.contextmanager
 def opened(uri: str, path: str, dictionary: tuple[str, ...] = ()):
     """The file as a ParquetFile (page checksums verified where the writer stored them), opened once
@@ -390,7 +436,8 @@ def opened(uri: str, path: str, dictionary: tuple[str, ...] = ()):
     try:
         f = fs.open_input_file(path)
         pf = pq.ParquetFile(f, page_checksum_verification=True)
-        as_dict = [c for c in dictionary if c in pf.schema_arrow.names and _is_text(pf.schema_arrow.field(c).type)]
+        schema = pf.schema_arrow
+        as_dict = [c for c in dictionary if c in schema.names and family(schema.field(c).type) == "string"]
         if as_dict:  # the same footer, read once
             pf = pq.ParquetFile(f, page_checksum_verification=True, metadata=pf.metadata, read_dictionary=as_dict)
     except (OSError, pa.ArrowException):

@@ -13,9 +13,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from .columns import Columns
+from .columns import Columns, decoded
 from .errors import DataError
 from .plan import Piece, holdout_mask
 from .preprocess import FittedPreprocessor, PartialStats, partial_stats
@@ -162,13 +161,9 @@ Part = tuple  # (packed float32 rows [k, width], global row ids [k], {pass-throu
 
 
 def extras(spec: ReadSpec, table: pa.Table) -> dict[str, np.ndarray]:
-    return {c: _plain(table[c]).to_numpy(zero_copy_only=False) for c in spec.columns.passthrough}
-
-
-def _plain(col: pa.ChunkedArray) -> pa.ChunkedArray:
-    """A categorical that is also passed through arrives as a dictionary column (source.opened): its
-    values, decoded (to_numpy of a dictionary column is not the values where they are null)."""
-    return pc.dictionary_decode(col) if pa.types.is_dictionary(col.type) else col
+    # A categorical that is also passed through arrives as a dictionary column (source.opened), and
+    # to_numpy of a dictionary column is not its values where they are null: decoded first.
+    return {c: decoded(table[c]).to_numpy(zero_copy_only=False) for c in spec.columns.passthrough}
 
 
 def unexpected(e: BaseException, frag: Fragment) -> DataError:
