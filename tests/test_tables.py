@@ -284,3 +284,88 @@ def test_arrow_types_writers_produce_give_the_same_arrays(tmp_path):
     with pytest.raises(DataError, match="not UTF-8 text"):
         pipeline.prepare(str(tmp_path / "bytes"), **keys)
     shutil.rmtree(tmp_path / "bytes")
+
+
+@pytest.mark.slow
+def test_the_train_job_reads_one_version_while_a_writer_commits(tmp_path):
+    """`python -m pipeline train` on a Delta table's root: once the plan is made, a writer appends and
+    deletes; every rank still reads the version the job printed, and fit.json records it."""
+    import json
+    import re
+
+    path = str(tmp_path / "delta")
+    write_deltalake(path, batch(0, 3000))
+    write_deltalake(path, batch(3000, 4000), mode="append")
+    DeltaTable(path).delete("id < 500")
+    want = len(delta_rows(path))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "train", "--data.path", path, "--data.label", "y",
+                             "--data.numeric", '["x"]', "--data.categorical", '["cat"]', "--run.output",
+                             str(tmp_path / "runs"), "--train.epochs", "2", "--train.hidden", "[8]",
+                             "--train.batch_size", "128", "--train.num_workers", "2"],
+                            cwd=Path(__file__).parents[1], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines = []
+    for line in proc.stdout:  # the job's own lines, as they come
+        lines.append(line)
+        if line.startswith("[plan]"):
+            write_deltalake(path, batch(5000, 6000), mode="append")
+            DeltaTable(path).delete("id >= 3000 and id < 3500")
+    assert proc.wait(timeout=60) == 0, "".join(lines[-40:])
+    out = "".join(lines)
+    assert "delta table" in out and "at version 2," in out, out[-3000:]
+    assert f"[rows] rows read {want:,} = used {want:,}" in out, out[-3000:]
+    ranks = [int(n.replace(",", "")) + int(m.replace(",", ""))
+             for n, m in re.findall(r"\[data\] rank \d/2 \(ray\): ([\d,]+) training \+ ([\d,]+) validation", out)]
+    assert len(ranks) == 2 and sum(ranks) == want, out[-3000:]
+    fit = json.loads(next((tmp_path / "runs").rglob("fit.json")).read_text())
+    assert fit["table"] == ["delta", path, "2"]
+    assert DeltaTable(path).version() == 4  # the writer did commit during the run
+
+
+def _prepare_under_torch_distributed(rank: int, path: str, port: int, out: str) -> None:
+    """One of two gloo processes: rank 0 commits to the table right after it read the version, and
+    rank 1 reads only after that commit (a file flag), so the two see different latest versions."""
+    import json
+    import time
+
+    import torch.distributed as dist
+
+    from pipeline import ingest
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    flag = Path(out) / "committed"
+    real = ingest.inspect
+
+    def inspect(cfg, *a):
+        if rank == 1 and not cfg.data.version:
+            deadline = time.monotonic() + 60
+            while not flag.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        src = real(cfg, *a)
+        if rank == 0:
+            write_deltalake(path, batch(9000, 9100), mode="append")
+            flag.touch()
+        return src
+
+    ingest.inspect = inspect
+    plan = pipeline.prepare(path, label="y", numeric=["x"], categorical=["cat"])
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps([plan.source.table.version, plan.source.num_rows]))
+    dist.destroy_process_group()
+
+
+def test_under_torch_distributed_every_process_reads_rank_0s_version(delta_table, tmp_path):
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    before = DeltaTable(delta_table).version()
+    mp.spawn(_prepare_under_torch_distributed, args=(delta_table, port, str(tmp_path)), nprocs=2, join=True)
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert DeltaTable(delta_table).version() == before + 1  # rank 1 did see a newer latest version
+    assert seen[0] == seen[1] == [str(before), 2400]
