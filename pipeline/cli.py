@@ -104,15 +104,17 @@ def cmd_fit(cfg: config_mod.Config, args) -> int:
 
 def summary_table(summary: dict) -> str:
     """The train job's closing table: one value and baseline column per target, one row per epoch."""
-    from .train import target_keys
+    from .train import target_metrics
 
     rows, targets = summary["epochs"], summary["targets"]
-    lines, cols = [""], []  # cols: (header, value key, baseline key), one per target
+    lines, cols = [""], []  # cols: (header, value key, baseline key), per target and metric
+    said = {"val_rmse": "predicting the training mean", "val_acc": "the majority class",
+            "val_auc": "0.5, a random order", "val_logloss": "predicting the training positive rate"}
     for t in targets:
-        name, value_key, base_key = target_keys(t["name"], t["kind"])
-        lines.append(f"target '{t['name']}' ({t['kind']}): {name} on the validation rows, beside the baseline "
-                     f"({'predicting the training mean' if name == 'val_rmse' else 'the majority class'})")
-        cols.append((name if len(targets) == 1 else value_key, value_key, base_key))
+        metrics = target_metrics(t["name"], t["kind"])
+        lines.append(f"target '{t['name']}' ({t['kind']}): {', '.join(m for m, _, _ in metrics)} on the validation rows, "
+                     f"beside the baseline ({'; '.join(f'{m}: {said[m]}' for m, _, _ in metrics)})")
+        cols += [(name if len(targets) == 1 else value_key, value_key, base_key) for name, value_key, base_key in metrics]
     lines.append("epoch  train_loss" + "".join(f"  {h:>{max(8, len(h))}}  baseline" for h, _, _ in cols)
                  + "  rows/s       data_wait%")
     for m in rows:

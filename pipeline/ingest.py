@@ -35,7 +35,7 @@ from . import storage
 from .config import Config
 from .errors import ConfigError, DataError, NoUsableRows, PipelineError
 from .plan import Piece, plan_shares, rank_sizes
-from .preprocess import FittedPreprocessor
+from .preprocess import FittedPreprocessor, coverage_lines
 from .quality import Accounting
 from .source import Source, inspect, list_reasons
 from .tasks import ReadSpec, merge_fit
@@ -120,6 +120,7 @@ class IngestPlan:
                 f"[rows] {self.accounting.summary()}",
                 f"[plan] training rows per rank {self.train_sizes}, validation rows per rank {self.val_sizes}, from "
                 f"{[len(self.pieces(r)) for r in range(self.world_size)]} row-group pieces"] + \
+            coverage_lines(self.fitted, self.config.preprocess.vocab_max_size, self.config.preprocess.vocab_min_count) + \
             [f"[columns] {note}" for note in self.source.conversions(self.fitted.stats)]
 
     def save_fit(self, uri: str) -> None:

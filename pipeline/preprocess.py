@@ -167,6 +167,37 @@ class Transformed:
     w: np.ndarray | None = None
 
 
+UNKNOWN_WARN = 0.05  # a categorical column where more of the fit's rows than this map to "unknown" is warned about
+
+
+def coverage(counts: dict[str, int], kept: tuple[str, ...], nulls: int) -> dict[str, Any]:
+    """What the vocabulary keeps of a categorical column, over the fit's training rows: distinct values
+    seen, values kept, nulls, and the share of the non-null rows whose value maps to the unknown id."""
+    rows = sum(counts.values())
+    covered = sum(counts[v] for v in kept)
+    return {"distinct": len(counts), "kept": len(kept), "nulls": nulls,
+            "unknown_share": (rows - covered) / rows if rows else 0.0}
+
+
+def coverage_lines(fitted: "FittedPreprocessor", max_size: int, min_count: int) -> list[str]:
+    """One line on what every categorical column's vocabulary keeps, and a warning per column where a
+    large share of rows becomes "unknown", naming the settings that change it."""
+    cats = fitted.stats.get("categorical", {})
+    if not cats:
+        return []
+    out = ["[fit] vocabulary coverage: " + "; ".join(
+        f"'{c}' {v['kept']:,} of {v['distinct']:,} values kept, {100 * v['unknown_share']:.1f}% of rows unknown"
+        for c, v in cats.items() if "kept" in v)]
+    for c, v in cats.items():
+        if v.get("unknown_share", 0.0) > UNKNOWN_WARN:
+            why = (f"preprocess.vocab_max_size = {max_size:,} keeps the most frequent" if v["kept"] >= max_size else
+                   f"preprocess.vocab_min_count = {min_count} leaves out the rarer")
+            out.append(f"[warning] '{c}': {100 * v['unknown_share']:.1f}% of the fit's rows map to the unknown id (0): "
+                       f"{v['distinct']:,} distinct values, {v['kept']:,} kept ({why}). Raise "
+                       f"preprocess.vocab_max_size or lower preprocess.vocab_min_count to keep more")
+    return out
+
+
 def _resolve_kind(t, counts: dict[str, int] | None) -> str:
     if t.kind != "auto":
         return t.kind
@@ -262,7 +293,7 @@ class FittedPreprocessor:
             "numeric": {c: {"count": sum(n.count for n in s.numeric[c]), "null_rows": s.null_rows.get(c, 0),
                             "min": min((n.min for n in s.numeric[c] if n.count), default=None),
                             "max": max((n.max for n in s.numeric[c] if n.count), default=None)} for c in cols.numeric},
-            "categorical": {c: {"distinct": len(s.categories[c]), "nulls": s.category_nulls[c]} for c in cols.categorical},
+            "categorical": {c: coverage(s.categories[c], v, s.category_nulls[c]) for c, v in zip(cols.categorical, vocab)},
             "targets": {t.name: dict(sorted(s.target_counts[t.name].items())) if t.name in s.target_counts else
                         {"mean": s.target_moments[t.name].mean, "std": float(np.sqrt(s.target_moments[t.name].var)),
                          "min": s.target_moments[t.name].min, "max": s.target_moments[t.name].max}

@@ -90,6 +90,10 @@ def test_whole_job_learns_and_saves_everything(ray_local, demo_dir, tmp_path, la
     assert last["metric"] == "val_acc" and last["val_acc"] > last["baseline_acc"] + 0.05, last
     if kind == "multiclass":
         return
+    # A CTR user reads AUC and log loss: both beside their baselines, in the table too.
+    assert last["baseline_auc"] == 0.5 and last["val_auc"] > 0.75, last
+    assert last["val_logloss"] < last["baseline_logloss"] - 0.1, last
+    assert "val_auc" in table and "val_logloss" in table, table
     for e in epochs:
         assert 0 <= e["data_wait_pct"] <= 100 and e["rows_per_s"] > 0
     # Row accounting: every training row is used once per epoch, apart from the reported remainder.

@@ -153,3 +153,32 @@ def test_load_refuses_unknown_format_and_newer_version():
     d = fit_local(frame(100, 0)).to_dict() | {"version": 99}
     with pytest.raises(ValueError, match="newer"):
         FittedPreprocessor.from_dict(d)
+
+
+def test_vocabulary_coverage_is_said_and_a_large_unknown_share_is_warned(tmp_path):
+    """A high-cardinality column at the default vocab_max_size: most rows become "unknown", and the
+    plan says so (per column: distinct, kept, unknown share) with a warning naming the setting."""
+    import pyarrow.parquet as pq
+
+    import pipeline
+
+    rng = np.random.default_rng(0)
+    n = 50_000
+    ids = np.where(rng.random(n) < 0.2, rng.integers(0, 10, n), rng.integers(10, 10**9, n))
+    table = pa.table({"user": pa.array([f"u{i}" for i in ids]), "small": pa.array([f"s{i % 5}" for i in range(n)]),
+                      "y": pa.array(rng.integers(0, 2, n))})
+    pq.write_table(table, tmp_path / "f.parquet")
+    plan = pipeline.prepare(str(tmp_path), label="y", world_size=1, categorical=["user", "small"], val_fraction=0.0)
+    cov = plan.fitted.stats["categorical"]
+    counts = dict(zip(*np.unique(table["user"].to_numpy(zero_copy_only=False), return_counts=True)))
+    kept = set(plan.fitted.vocab[0])
+    assert len(kept) == 1000 and cov["user"]["distinct"] == len(counts) and cov["user"]["kept"] == 1000
+    assert cov["user"]["unknown_share"] == pytest.approx(sum(c for v, c in counts.items() if v not in kept) / n)
+    assert cov["user"]["unknown_share"] > 0.7 and cov["small"]["unknown_share"] == 0.0
+    lines = "\n".join(plan.describe())
+    assert f"'user' 1,000 of {len(counts):,} values kept" in lines
+    warnings = [line for line in plan.describe() if line.startswith("[warning]")]
+    assert len(warnings) == 1 and "'user'" in warnings[0] and "preprocess.vocab_max_size = 1,000" in warnings[0]
+    # The transformed rows agree: the share of unknown ids is the share said.
+    x_cat = plan.fitted.transform(table).x_cat
+    assert (x_cat[:, 0] == 0).mean() == pytest.approx(cov["user"]["unknown_share"])
