@@ -75,12 +75,17 @@ class Columns:
     weight: str | None = None
     passthrough: tuple[str, ...] = ()  # carried unchanged beside each row, never features
     label_values: tuple[float, ...] = ()  # allowed target values; empty: any the kind allows
+    # transforms.NumericOp per numeric column, transforms.CategoricalOp per categorical column (empty:
+    # the defaults), and the hashed crosses (CategoricalOps with .cross), categorical features after them
+    numeric_ops: tuple = ()
+    categorical_ops: tuple = ()
+    crosses: tuple = ()
 
     @property
     def read(self) -> list[str]:
         """Every column a task reads (column pushdown)."""
         cols = [*self.numeric, *self.categorical, *(t.name for t in self.targets),
-                *([self.weight] if self.weight else []), *self.passthrough]
+                *([self.weight] if self.weight else []), *self.passthrough, *(c for x in self.crosses for c in x.cross)]
         return list(dict.fromkeys(cols))  # a pass-through column may also be a feature or target
 
     @property

@@ -88,12 +88,46 @@ class GenerateSection(_Section):
     seed: int = 0
 
 
+class ColumnTransform(_Section):
+    """How one column (or a group: `columns = [...]`) is transformed; unset keys inherit the role's
+    default (preprocess.numeric_transform / categorical_transform), then the built-in defaults."""
+
+    columns: tuple[str, ...] = Field((), description="the group's columns (empty: the section's own name is the column)")
+    clip: tuple[float, float] | None = Field(None, description="numeric: [low, high] bounds applied first (inf allowed)")
+    log1p: bool | None = Field(None, description="numeric: log(1 + x) after clipping, values below 0 clipped to 0 first")
+    scale: Literal["standardize", "minmax", "bucketize", "none"] | None = Field(
+        None, description="numeric: the fitted scaler (default standardize)")
+    boundaries: tuple[float, ...] | None = Field(None, description="numeric, bucketize: given boundaries (empty: "
+                                                                  "`buckets` quantile buckets fitted in the same pass)")
+    buckets: int | None = Field(None, ge=1, description="bucketize: quantile buckets; hash / vocab+hash: hash buckets")
+    fill: Literal["mean", "median", "zero", "constant"] | None = Field(
+        None, description="numeric: what a missing value becomes before scaling (default mean)")
+    fill_value: float | None = Field(None, description="numeric, fill = constant: the value")
+    encode: Literal["vocab", "hash", "vocab+hash"] | None = Field(
+        None, description="categorical: vocab (default), hash into `buckets`, or vocab+hash (values outside the "
+                          "vocabulary hashed into `buckets` extra ids)")
+    max_size: int | None = Field(None, ge=1, description="categorical: this column's vocab_max_size")
+    min_count: int | None = Field(None, ge=1, description="categorical: this column's vocab_min_count")
+
+
+class CrossTransform(_Section):
+    columns: tuple[str, ...] = Field(..., min_length=2, description="two or more columns, crossed")
+    buckets: int = Field(..., ge=1, description="hash buckets of the cross")
+
+
 class PreprocessSection(_Section):
     vocab_max_size: int = Field(1000, ge=1, description="most frequent values kept per categorical column")
     vocab_min_count: int = Field(1, ge=1, description="values seen fewer times map to the unknown id")
     missing_indicator: bool = Field(True, description="add a 0/1 column per numeric feature that had nulls")
     standardize_target: bool = Field(True, description="regression targets: train on (y - mean) / std; "
                                                         "FittedPreprocessor.inverse_target undoes it")
+    numeric_transform: ColumnTransform = Field(ColumnTransform(), description="the default for every numeric column")
+    categorical_transform: ColumnTransform = Field(ColumnTransform(), description="the default for every categorical "
+                                                                                  "column")
+    columns: dict[str, ColumnTransform] = Field({}, description="a section per column ([preprocess.columns.NAME]) or "
+                                                                "per group of columns (with columns = [...])")
+    crosses: tuple[CrossTransform, ...] = Field((), description="hashed crosses of two or more columns, each a "
+                                                                "categorical feature named a*b")
 
 
 class TrainSection(_Section):

@@ -21,9 +21,11 @@ import pyarrow.compute as pc
 from . import storage
 from .columns import Columns, as_float64, as_matrix, as_string, category_ids, value_counts
 from .errors import DataError
+from .transforms import (CategoricalOp, FittedNumeric, NumericOp, Sketch, apply_numeric, cross_hash, cross_name,
+                         fit_numeric, fnv1a, hashed_ids, prescale)
 
 FORMAT = "pipeline.FittedPreprocessor"
-VERSION = 2
+VERSION = 3
 MAX_CLASSES = 2**24  # class ids travel as float32 in the packed rows: exact below 2**24
 
 
@@ -85,9 +87,13 @@ class PartialStats:
     category_nulls: dict[str, int] = field(default_factory=dict)
     target_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # counted targets: value -> rows
     target_moments: dict[str, NumericStats] = field(default_factory=dict)  # regression targets
+    sketches: dict[str, list[Sketch]] = field(default_factory=dict)  # quantiles, where a transform needs them
 
     def merge(self, o: "PartialStats") -> "PartialStats":
         out = PartialStats(rows=self.rows + o.rows)
+        for k in self.sketches.keys() | o.sketches.keys():
+            a, b = self.sketches.get(k), o.sketches.get(k)
+            out.sketches[k] = b if a is None else a if b is None else [x.merge(y) for x, y in zip(a, b)]
         for k in self.numeric.keys() | o.numeric.keys():
             a, b = self.numeric.get(k), o.numeric.get(k)
             out.numeric[k] = b if a is None else a if b is None else [x.merge(y) for x, y in zip(a, b)]
@@ -109,18 +115,33 @@ def feature_values(table: pa.Table, name: str, dim: int) -> np.ndarray:
     return as_float64(table[name])[:, None]
 
 
+def numeric_ops(cols) -> tuple[NumericOp, ...]:
+    """One op per numeric column (the default where none is given); cols: a Columns or a FittedPreprocessor."""
+    return cols.numeric_ops or (NumericOp(),) * len(cols.numeric)
+
+
+def categorical_ops(cols) -> tuple[CategoricalOp, ...]:
+    return cols.categorical_ops or (CategoricalOp(),) * len(cols.categorical)
+
+
 def partial_stats(table: pa.Table, cols: Columns) -> PartialStats:
+    """A batch's statistics, of the values each column's scaler sees (after its clip and log1p)."""
     s = PartialStats(rows=table.num_rows)
-    for c, d in zip(cols.numeric, cols.dims):
+    for c, d, op in zip(cols.numeric, cols.dims, numeric_ops(cols)):
         if d:
-            v = feature_values(table, c, d)
+            v = prescale(op, feature_values(table, c, d))
             s.numeric[c] = [NumericStats.of(v[:, j]) for j in range(v.shape[1])]
             s.null_rows[c] = int((~np.isfinite(v)).any(axis=1).sum())
+            slots = [v[:, j] for j in range(v.shape[1])]
         else:
-            s.numeric[c] = [NumericStats.of(as_float64(table[c]))]
+            v = prescale(op, as_float64(table[c]))
+            s.numeric[c] = [NumericStats.of(v)]
             s.null_rows[c] = s.numeric[c][0].nulls
-    for c in cols.categorical:
-        s.categories[c] = value_counts(table[c])
+            slots = [v]
+        if op.needs_sketch:
+            s.sketches[c] = [Sketch.of(x) for x in slots]
+    for c, op in zip(cols.categorical, categorical_ops(cols)):
+        s.categories[c] = value_counts(table[c]) if op.counted else {}
         s.category_nulls[c] = table[c].null_count
     for t in cols.targets:
         if t.counted:
@@ -228,6 +249,14 @@ class FittedPreprocessor:
     targets: tuple[FittedTarget, ...]
     weight: str | None
     stats: dict[str, Any]  # what was seen at fit time (rows, min/max, nulls, target counts): for humans
+    # Per numeric column its transforms.NumericOp; per feature slot the output for a missing value and,
+    # bucketized, its boundaries (`mean` and `std` are then each slot's shift and scale: out = (x - mean)
+    # / std after the op's clip and log1p). Per categorical feature (crosses last) its CategoricalOp.
+    # Empty: the defaults (standardize, fill with the mean; a vocabulary).
+    numeric_ops: tuple[NumericOp, ...] = ()
+    fills: tuple[float, ...] = ()
+    boundaries: tuple[tuple[float, ...], ...] = ()
+    categorical_ops: tuple[CategoricalOp, ...] = ()
 
     @property
     def num_features(self) -> int:
@@ -235,8 +264,19 @@ class FittedPreprocessor:
 
     @property
     def cardinalities(self) -> tuple[int, ...]:
-        """Embedding table sizes, the unknown id 0 included."""
-        return tuple(len(v) + 1 for v in self.vocab)
+        """Embedding table sizes, the unknown id 0 included (and a hashed column's buckets)."""
+        return tuple(len(v) + 1 + (op.buckets if op.encode != "vocab" else 0)
+                     for v, op in zip(self.vocab, categorical_ops(self)))
+
+    def slots(self, i: int) -> list[FittedNumeric]:
+        """Numeric column i's fitted feature slots."""
+        at = sum(max(d, 1) for d in self.dims[:i])
+        k = max(self.dims[i], 1)
+        fills = self.fills or (0.0,) * len(self.mean)
+        bounds = self.boundaries or ((),) * len(self.mean)
+        op = numeric_ops(self)[i]
+        return [FittedNumeric(self.mean[j], self.std[j], fills[j], bounds[j], op.scale == "bucketize")
+                for j in range(at, at + k)]
 
     @property
     def target_names(self) -> tuple[str, ...]:
@@ -260,17 +300,21 @@ class FittedPreprocessor:
     @classmethod
     def from_stats(cls, s: PartialStats, cols: Columns, *, max_size: int, min_count: int, missing_indicator: bool,
                    standardize_target: bool = False) -> "FittedPreprocessor":
-        means, stds = [], []
-        for c in cols.numeric:
-            for n in s.numeric[c]:
-                means.append(float(n.mean))
-                # A constant (or all-null) slot gets std 1, so it maps to 0 instead of dividing by zero.
-                stds.append(float(np.sqrt(n.var)) if n.var > 0 else 1.0)
+        slots = []
+        for c, op in zip(cols.numeric, numeric_ops(cols)):
+            sketches = s.sketches.get(c) or [None] * len(s.numeric[c])
+            # A constant (or all-null) slot gets scale 1, so it maps to 0 instead of dividing by zero.
+            slots += [fit_numeric(op, n.count, float(n.mean), n.var, n.min, n.max, sk)
+                      for n, sk in zip(s.numeric[c], sketches)]
         vocab = []
-        for c in cols.categorical:
-            kept = [(v, n) for v, n in s.categories[c].items() if n >= min_count]
+        for c, op in zip(cols.categorical, categorical_ops(cols)):
+            if not op.counted:
+                vocab.append(())
+                continue
+            least = op.min_count or min_count
+            kept = [(v, n) for v, n in s.categories[c].items() if n >= least]
             kept.sort(key=lambda vn: (-vn[1], vn[0]))  # most frequent first; ties by value, so it is deterministic
-            vocab.append(tuple(v for v, _ in kept[:max_size]))
+            vocab.append(tuple(v for v, _ in kept[:op.max_size or max_size]))
         targets = []
         for t in cols.targets:
             counts = s.target_counts.get(t.name)
@@ -293,17 +337,25 @@ class FittedPreprocessor:
             "numeric": {c: {"count": sum(n.count for n in s.numeric[c]), "null_rows": s.null_rows.get(c, 0),
                             "min": min((n.min for n in s.numeric[c] if n.count), default=None),
                             "max": max((n.max for n in s.numeric[c] if n.count), default=None)} for c in cols.numeric},
-            "categorical": {c: coverage(s.categories[c], v, s.category_nulls[c]) for c, v in zip(cols.categorical, vocab)},
+            "categorical": {c: coverage(s.categories[c], v, s.category_nulls[c]) if op.counted else
+                            {"hashed_into": op.buckets, "nulls": s.category_nulls[c]}
+                            for c, v, op in zip(cols.categorical, vocab, categorical_ops(cols))},
             "targets": {t.name: dict(sorted(s.target_counts[t.name].items())) if t.name in s.target_counts else
                         {"mean": s.target_moments[t.name].mean, "std": float(np.sqrt(s.target_moments[t.name].var)),
                          "min": s.target_moments[t.name].min, "max": s.target_moments[t.name].max}
                         for t in cols.targets},
         }
+        default = all(op.is_default for op in numeric_ops(cols))
+        cat_ops = (*categorical_ops(cols), *cols.crosses)
         return cls(
-            numeric=tuple(cols.numeric), dims=tuple(cols.dims), mean=tuple(means), std=tuple(stds),
+            numeric=tuple(cols.numeric), dims=tuple(cols.dims), mean=tuple(f.shift for f in slots),
+            std=tuple(f.scale for f in slots),
             indicators=tuple(c for c in cols.numeric if missing_indicator and s.null_rows.get(c, 0) > 0),
-            categorical=tuple(cols.categorical), vocab=tuple(vocab), targets=tuple(targets), weight=cols.weight,
-            stats=stats,
+            categorical=(*cols.categorical, *(cross_name(x) for x in cols.crosses)),
+            vocab=(*vocab, *(() for _ in cols.crosses)), targets=tuple(targets), weight=cols.weight, stats=stats,
+            numeric_ops=() if default else numeric_ops(cols), fills=() if default else tuple(f.fill for f in slots),
+            boundaries=() if default else tuple(f.boundaries for f in slots),
+            categorical_ops=() if all(op == CategoricalOp() for op in cat_ops) else cat_ops,
         )
 
     # -- transform ------------------------------------------------------------------------------
@@ -356,21 +408,38 @@ class FittedPreprocessor:
     def _features_into(self, table: pa.Table, xt: np.ndarray, ct: np.ndarray) -> None:
         """The features column-major: xt float32 [F, n], ct int32 [C, n]."""
         at = 0
-        for c, d in zip(self.numeric, self.dims):
+        for i, (c, d, op) in enumerate(zip(self.numeric, self.dims, numeric_ops(self))):
             v = feature_values(table, c, d)  # [n, k]; a scalar column is [n, 1], its transpose one row of xt
             k = v.shape[1]
-            z = v - np.asarray(self.mean[at:at + k])
-            z /= np.asarray(self.std[at:at + k])  # in place: no second [n, k] temporary
-            bad = ~np.isfinite(z)
-            if bad.any():
-                z[bad] = 0.0  # null/NaN/inf is filled with the fitted mean, which standardises to 0
+            if op.is_default:  # standardize, fill with the mean
+                z = v - np.asarray(self.mean[at:at + k])
+                z /= np.asarray(self.std[at:at + k])  # in place: no second [n, k] temporary
+                bad = ~np.isfinite(z)
+                if bad.any():
+                    z[bad] = 0.0  # null/NaN/inf is filled with the fitted mean, which standardises to 0
+            else:
+                z = apply_numeric(op, self.slots(i), v)
             xt[at:at + k] = z.T
             at += k
         for c in self.indicators:
             xt[at] = (~np.isfinite(feature_values(table, c, self.dims[self.numeric.index(c)]))).any(axis=1)
             at += 1
-        for j, (c, vocab) in enumerate(zip(self.categorical, self.vocab)):
-            ct[j] = category_ids(table[c], pa.array(vocab, type=pa.string()))
+        for j, (c, vocab, op) in enumerate(zip(self.categorical, self.vocab, categorical_ops(self))):
+            ct[j] = self._category_ids(table, c, vocab, op)
+
+    @staticmethod
+    def _category_ids(table: pa.Table, c: str, vocab: tuple[str, ...], op: CategoricalOp) -> np.ndarray:
+        if op.cross:
+            return hashed_ids(*cross_hash(table, op.cross), op.buckets)
+        if op.encode == "hash":
+            return hashed_ids(*fnv1a(table[c]), op.buckets)
+        ids = category_ids(table[c], pa.array(vocab, type=pa.string()))
+        if op.encode == "vocab+hash":  # values outside the vocabulary: hashed into ids after it
+            out = ~(ids > 0) & table[c].is_valid().to_numpy(zero_copy_only=False)
+            if out.any():
+                h, ok = fnv1a(table[c].filter(pa.array(out)))
+                ids[out] = hashed_ids(h, ok, op.buckets, first=len(vocab) + 1)
+        return ids
 
     def target_matrix(self, table: pa.Table, *, strict: bool = False) -> np.ndarray:
         """float32 [n, T]: each target as it travels in the packed rows. NaN marks a value this fit
@@ -413,18 +482,27 @@ class FittedPreprocessor:
 
     def to_dict(self) -> dict[str, Any]:
         numeric, at = [], 0
-        for c, d in zip(self.numeric, self.dims):
+        for i, (c, d, op) in enumerate(zip(self.numeric, self.dims, numeric_ops(self))):
             k = max(d, 1)
             entry = {"name": c, "missing_indicator": c in self.indicators}
+            slots = self.slots(i)
+            one = (lambda xs: xs) if d else (lambda xs: xs[0])  # noqa: E731 - a list per slot for a vector
             if d:
-                entry.update(dim=d, mean=list(self.mean[at:at + k]), std=list(self.std[at:at + k]))
-            else:
-                entry.update(mean=self.mean[at], std=self.std[at])
+                entry["dim"] = d
+            entry.update(mean=one([f.shift for f in slots]), std=one([f.scale for f in slots]))
+            if not op.is_default:
+                entry.update(transform=_op_dict(op), fill=one([f.fill for f in slots]),
+                             boundaries=one([list(f.boundaries) for f in slots]))
             numeric.append(entry)
             at += k
+        cats = []
+        for c, v, op in zip(self.categorical, self.vocab, categorical_ops(self)):
+            entry = {"name": c, "vocab": list(v), "unknown_id": 0}
+            if op != CategoricalOp():
+                entry["transform"] = _op_dict(op)
+            cats.append(entry)
         return {
-            "format": FORMAT, "version": VERSION, "numeric": numeric,
-            "categorical": [{"name": c, "vocab": list(v), "unknown_id": 0} for c, v in zip(self.categorical, self.vocab)],
+            "format": FORMAT, "version": VERSION, "numeric": numeric, "categorical": cats,
             "targets": [{"name": t.name, "kind": t.kind, "classes": list(t.classes), "mean": t.mean, "std": t.std,
                          "counts": list(t.counts)} for t in self.targets],
             "weight": self.weight, "stats": self.stats,
@@ -444,6 +522,10 @@ class FittedPreprocessor:
         else:
             targets = tuple(FittedTarget(t["name"], t["kind"], tuple(t["classes"]), float(t["mean"]), float(t["std"]),
                                          tuple(t.get("counts", ()))) for t in d["targets"])
+        ops = tuple(_op_of(NumericOp, e.get("transform")) for e in num)
+        default = all(op.is_default for op in ops)
+        slots = lambda e, key, empty: (e.get(key, empty) if e.get("dim") else [e.get(key, empty)])  # noqa: E731
+        cat_ops = tuple(_op_of(CategoricalOp, e.get("transform")) for e in d["categorical"])
         return cls(
             numeric=tuple(e["name"] for e in num), dims=tuple(int(e.get("dim", 0)) for e in num),
             mean=flat("mean"), std=flat("std"),
@@ -451,6 +533,10 @@ class FittedPreprocessor:
             categorical=tuple(e["name"] for e in d["categorical"]),
             vocab=tuple(tuple(e["vocab"]) for e in d["categorical"]), targets=targets, weight=d.get("weight"),
             stats=d.get("stats", {}),
+            numeric_ops=() if default else ops,
+            fills=() if default else tuple(float(x) for e in num for x in slots(e, "fill", 0.0)),
+            boundaries=() if default else tuple(tuple(float(b) for b in x) for e in num for x in slots(e, "boundaries", [])),
+            categorical_ops=() if all(op == CategoricalOp() for op in cat_ops) else cat_ops,
         )
 
     def save(self, uri: str) -> None:
@@ -460,6 +546,26 @@ class FittedPreprocessor:
     @classmethod
     def load(cls, uri: str) -> "FittedPreprocessor":
         return cls.from_dict(storage.read_json(uri))
+
+
+def _op_dict(op) -> dict[str, Any]:
+    """A transform op as JSON (infinite clip bounds as null, tuples as lists)."""
+    out = {}
+    for k, v in op.__dict__.items():
+        if isinstance(v, float) and not np.isfinite(v):
+            v = None
+        out[k] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _op_of(kind, d: dict[str, Any] | None):
+    if not d:
+        return kind()
+    d = dict(d)
+    for k in ("clip_min", "clip_max"):
+        if k in d and d[k] is None:
+            d[k] = -np.inf if k == "clip_min" else np.inf
+    return kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
 def _to_table(data: Any) -> pa.Table:

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from . import storage, tables
+from . import storage, tables, transforms
 from .columns import KINDS, NUMERIC_FAMILIES, Columns, Target, common_length, family
 from .config import Config
 from .errors import DataError, NoUsableRows
@@ -369,7 +369,12 @@ def inspect(cfg: Config, uri: str | None = None) -> Source:
         raise DataError(f"no feature columns: data.numeric and data.categorical are empty and none could be inferred "
                         f"from '{shards[0].path}' (columns: {', '.join(types[shards[0].path])}); list them in the config")
     dims = tuple(_vector_dim(fs, shards[0], c) if types[shards[0].path][c] == "vector" else 0 for c in numeric)
+    try:
+        ops = transforms.resolve(cfg.preprocess, numeric, categorical, set(types[shards[0].path]))
+    except ValueError as e:
+        raise DataError(str(e)) from None
     columns = Columns(numeric=tuple(numeric), dims=dims, categorical=tuple(categorical),
+                      numeric_ops=ops[0], categorical_ops=ops[1], crosses=ops[2],
                       targets=tuple(Target(t, majority[t], cfg.data.kind_of(t)) for t in cfg.data.targets),
                       weight=cfg.data.weight or None, passthrough=tuple(cfg.data.passthrough),
                       label_values=cfg.quality.label_values)
