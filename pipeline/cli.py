@@ -43,7 +43,8 @@ def cmd_generate(cfg: config_mod.Config, args) -> int:
 
     g = cfg.generate
     t0 = time.perf_counter()
-    paths = demo.generate(cfg.data.path, g.rows, g.shards, g.seed, overwrite=args.overwrite)
+    write = demo.generate_criteo if g.dataset == "criteo" else demo.generate
+    paths = write(cfg.data.path, g.rows, g.shards, g.seed, overwrite=args.overwrite)
     print(f"[generate] {len(paths)} shards at {cfg.data.path} ({time.perf_counter() - t0:.1f}s; "
           f"an existing complete dataset is kept unless --overwrite)")
     return 0

@@ -83,6 +83,9 @@ class QualitySection(_Section):
 
 
 class GenerateSection(_Section):
+    dataset: Literal["demo", "criteo"] = Field("demo", description="demo: the embedded demo dataset; criteo: "
+                                               "click-through-rate data shaped like Criteo Kaggle (13 counts, 26 "
+                                               "hashed categoricals with its cardinalities, a binary label)")
     rows: int = Field(2_000_000, ge=1, description="rows in the demo dataset")
     shards: int = Field(16, ge=1, description="Parquet files the demo dataset is split into")
     seed: int = 0
@@ -137,6 +140,12 @@ class TrainSection(_Section):
     weight_decay: float = Field(0.0, ge=0.0)
     hidden: tuple[int, ...] = Field((256, 128), description="hidden layer widths of the MLP")
     embedding_dim: int = Field(8, ge=1)
+    sparse_embeddings: Literal["auto", "true", "false"] = Field(
+        "auto", description="sparse embedding gradients (SparseAdam for the table, AdamW for the rest): auto uses them "
+                            "for tables of 100,000+ rows when training on CPUs (gloo); NCCL cannot all-reduce sparse "
+                            "gradients, so GPU training keeps them dense")
+    embedding_lr: float = Field(0.1, gt=0.0, description="learning rate of the SGD that updates a sparse embedding "
+                                                         "table (DLRM's recipe; the dense parameters use AdamW at lr)")
     num_workers: int = Field(2, ge=1, description="Ray Train workers (one per GPU when GPUs are used)")
     use_gpu: Literal["auto", "true", "false"] = "auto"
     seed: int = 0
@@ -151,7 +160,7 @@ class TrainSection(_Section):
         "PACK", description="where Ray puts the training workers: PACK fills few nodes, SPREAD uses different "
                             "nodes where it can (STRICT_*: or fail to start)")
 
-    @field_validator("use_gpu", mode="before")
+    @field_validator("use_gpu", "sparse_embeddings", mode="before")
     @classmethod
     def _bool_is_fine(cls, v):
         return str(v).lower() if isinstance(v, bool) else v  # use_gpu = true in TOML or --train.use_gpu true

@@ -63,7 +63,55 @@ def _shard(rows: int, seed: int, shard: int) -> pa.Table:
     return pa.table({k: cols[k] for k in order})
 
 
-def generate(uri: str, rows: int, shards: int, seed: int = 0, overwrite: bool = False) -> list[str]:
+# Click-through-rate data shaped like the Criteo Kaggle (Display Advertising Challenge) set: 13 integer
+# count columns with nulls, negatives and heavy tails, 26 categorical columns of 8-hex-digit hashes with
+# the set's cardinalities (as DLRM lists them), Zipf-like frequencies, and a binary label (about 25%
+# positive) with signal in the counts and in the categories.
+CRITEO_NUMERIC = tuple(f"I{i}" for i in range(1, 14))
+CRITEO_CATEGORICAL = tuple(f"C{i}" for i in range(1, 27))
+CRITEO_CARDINALITY = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
+                      5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572)
+_CRITEO_NULLS = (0.45, 0.0, 0.21, 0.22, 0.03, 0.22, 0.04, 0.0, 0.04, 0.45, 0.04, 0.77, 0.22)  # per count column
+_CRITEO_VERSION = "pipeline-criteo/1"
+_HEX = np.array([f"{i:02x}".encode() for i in range(256)], dtype="S2").view(np.uint16)
+
+
+def _hex8(ids: np.ndarray) -> pa.Array:
+    """uint32 ids as 8-hex-digit strings, vectorised (Criteo's categories look like '68fd1e64')."""
+    pairs = _HEX[ids.astype(">u4").view(np.uint8).reshape(-1, 4)]  # [n, 4] two-character codes
+    return pa.array(np.ascontiguousarray(pairs).view("S8").ravel(), type=pa.binary(8)).cast(pa.string())
+
+
+def _criteo_shard(rows: int, seed: int, shard: int) -> pa.Table:
+    rng = np.random.default_rng([seed, shard, 7])
+    cols: dict[str, pa.Array] = {}
+    logit = np.full(rows, -1.6)
+    for j, name in enumerate(CRITEO_NUMERIC):
+        counts = np.floor(rng.pareto(0.9 + 0.1 * (j % 5), rows) * (1 + 3 * j)).astype(np.int64)
+        if j == 1:
+            counts -= rng.integers(0, 4, rows) * (rng.random(rows) < 0.1)  # I2 holds a few negatives, as in Criteo
+        logit += (0.35 if j % 3 == 0 else -0.2) * np.log1p(np.maximum(counts, 0)) / 3
+        cols[name] = pa.array(counts, mask=rng.random(rows) < _CRITEO_NULLS[j])
+    for j, (name, k) in enumerate(zip(CRITEO_CATEGORICAL, CRITEO_CARDINALITY)):
+        # log-uniform ranks: P(rank r) ~ 1/(r + 1) over [0, k): a few values in most rows, a long tail
+        ranks = np.minimum(np.exp(rng.random(rows) * np.log(k + 1)).astype(np.int64) - 1, k - 1)
+        if k <= 200_000 and j % 2 == 0:  # learnable per-category effects in half of the columns
+            logit += (((ranks * 2654435761 + j) % 1009) / 1009.0 - 0.5) * 1.2
+        ids = (ranks * 2654435761 + j * 40503) % 2**32  # scrambled, as hashed ids look
+        values = _hex8(ids)
+        nulls = rng.random(rows) < 0.02 * (j % 4)  # some columns have a few nulls
+        cols[name] = pa.compute.if_else(pa.array(nulls), pa.scalar(None, pa.string()), values) if nulls.any() else values
+    cols["label"] = pa.array((rng.random(rows) < 1.0 / (1.0 + np.exp(-logit))).astype(np.int8))
+    return pa.table({k: cols[k] for k in ("label", *CRITEO_NUMERIC, *CRITEO_CATEGORICAL)})
+
+
+def generate_criteo(uri: str, rows: int, shards: int, seed: int = 0, overwrite: bool = False) -> list[str]:
+    """Write the Criteo-shaped dataset to `uri` unless it is already complete there."""
+    return generate(uri, rows, shards, seed, overwrite, shard=_criteo_shard, version=_CRITEO_VERSION)
+
+
+def generate(uri: str, rows: int, shards: int, seed: int = 0, overwrite: bool = False, shard=_shard,
+             version: str = _VERSION) -> list[str]:
     """Write the demo dataset to `uri` (any pyarrow filesystem) unless it is already complete there.
 
     Shards are written under a temporary name and renamed last, so an interrupted run never leaves
@@ -71,7 +119,7 @@ def generate(uri: str, rows: int, shards: int, seed: int = 0, overwrite: bool = 
     """
     fs, root = storage.filesystem(uri)
     marker = f"{root}/_SUCCESS"
-    stamp = f"{_VERSION} rows={rows} shards={shards} seed={seed}\n".encode()
+    stamp = f"{version} rows={rows} shards={shards} seed={seed}\n".encode()
     if not overwrite and storage.exists(fs, marker):
         with fs.open_input_stream(marker) as f:
             if f.read() == stamp:  # complete, and written by this generator with these settings
@@ -82,7 +130,7 @@ def generate(uri: str, rows: int, shards: int, seed: int = 0, overwrite: bool = 
     bounds = np.linspace(0, rows, shards + 1).astype(np.int64)
     paths = []
     for i in tqdm(range(shards), desc=f"generate {rows:,} rows", unit="shard"):
-        table = _shard(int(bounds[i + 1] - bounds[i]), seed, i)
+        table = shard(int(bounds[i + 1] - bounds[i]), seed, i)
         final = f"{root}/part-{i:05d}.parquet"
         tmp = final + ".tmp"
         with fs.open_output_stream(tmp) as out:

@@ -215,7 +215,8 @@ def coverage_lines(fitted: "FittedPreprocessor", max_size: int, min_count: int) 
                    f"preprocess.vocab_min_count = {min_count} leaves out the rarer")
             out.append(f"[warning] '{c}': {100 * v['unknown_share']:.1f}% of the fit's rows map to the unknown id (0): "
                        f"{v['distinct']:,} distinct values, {v['kept']:,} kept ({why}). Raise "
-                       f"preprocess.vocab_max_size or lower preprocess.vocab_min_count to keep more")
+                       f"preprocess.vocab_max_size or lower preprocess.vocab_min_count to keep more, or give the rest hashed "
+                       f"ids of their own (encode = \"vocab+hash\", buckets = N in preprocess.columns)")
     return out
 
 
