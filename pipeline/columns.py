@@ -154,18 +154,37 @@ def category_ids(col: pa.ChunkedArray | pa.Array, values: pa.Array) -> np.ndarra
 
 
 def value_counts(col: pa.ChunkedArray | pa.Array) -> dict[str, int]:
-    """{value as text (as_string): rows} for the non-null values; a dictionary column is counted by its
-    indices, without turning every row into text."""
+    """{value as text (as_string): rows} for the non-null values (targets: a handful of classes)."""
+    t = count_table(col)
+    return dict(zip(t["v"].to_pylist(), t["n"].to_pylist()))
+
+
+def count_table(col: pa.ChunkedArray | pa.Array) -> pa.Table:
+    """The non-null values as text (as_string) with their row counts, as an Arrow table {v, n}: at
+    CTR scale (millions of values a column) counts stay columnar, never a Python dict. A dictionary
+    column is counted by its indices, without turning every row into text; a value may appear twice
+    (two dictionary entries with one text), which the merge (count_merge) sums."""
     arr = _combined(col)
     if pa.types.is_dictionary(arr.type):
         counts = np.bincount(arr.indices.drop_null().to_numpy(zero_copy_only=False), minlength=len(arr.dictionary))
-        out: dict[str, int] = {}
-        for v, n in zip(as_string(arr.dictionary).to_pylist(), counts.tolist()):
-            if n and v is not None:
-                out[v] = out.get(v, 0) + n
-        return out
+        used = counts > 0
+        values = as_string(arr.dictionary).filter(pa.array(used))
+        t = pa.table({"v": values, "n": pa.array(counts[used], pa.int64())})
+        return t.filter(pc.is_valid(t["v"]))
     vc = pc.value_counts(as_string(arr))
-    return {v: n for v, n in zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist()) if v is not None}
+    t = pa.table({"v": vc.field("values"), "n": pc.cast(vc.field("counts"), pa.int64())})
+    return t.filter(pc.is_valid(t["v"]))
+
+
+def count_merge(parts: list[pa.Table]) -> pa.Table:
+    """Count tables summed by value, in one Arrow group-by: {v, n}."""
+    if not parts:
+        return pa.table({"v": pa.array([], pa.string()), "n": pa.array([], pa.int64())})
+    t = pa.concat_tables(parts)
+    if len(parts) == 1 and pc.count_distinct(t["v"]).as_py() == t.num_rows:
+        return t
+    g = t.group_by("v").aggregate([("n", "sum")])
+    return pa.table({"v": g["v"], "n": g["n_sum"]})
 
 
 def as_matrix(col: pa.ChunkedArray | pa.Array, dim: int) -> tuple[np.ndarray, np.ndarray]:

@@ -12,6 +12,7 @@ training (inside Ray tasks or a torchrun process) and serving, so both give iden
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import storage
-from .columns import Columns, as_float64, as_matrix, as_string, category_ids, value_counts
+from .columns import Columns, as_float64, as_matrix, as_string, category_ids, count_merge, count_table, value_counts
 from .errors import DataError
 from .transforms import (CategoricalOp, FittedNumeric, NumericOp, Sketch, apply_numeric, cross_hash, cross_name,
                          fit_numeric, fnv1a, hashed_ids, prescale)
@@ -83,7 +84,7 @@ class PartialStats:
     rows: int = 0
     numeric: dict[str, list[NumericStats]] = field(default_factory=dict)  # one per feature slot of the column
     null_rows: dict[str, int] = field(default_factory=dict)  # numeric column -> rows with any missing slot
-    categories: dict[str, dict[str, int]] = field(default_factory=dict)
+    categories: dict[str, list[pa.Table]] = field(default_factory=dict)  # count tables {v, n}, merged lazily
     category_nulls: dict[str, int] = field(default_factory=dict)
     target_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # counted targets: value -> rows
     target_moments: dict[str, NumericStats] = field(default_factory=dict)  # regression targets
@@ -99,13 +100,22 @@ class PartialStats:
             out.numeric[k] = b if a is None else a if b is None else [x.merge(y) for x, y in zip(a, b)]
             out.null_rows[k] = self.null_rows.get(k, 0) + o.null_rows.get(k, 0)
         for k in self.categories.keys() | o.categories.keys():
-            out.categories[k] = _add_counts(self.categories.get(k, {}), o.categories.get(k, {}))
+            parts = self.categories.get(k, []) + o.categories.get(k, [])
+            out.categories[k] = parts if len(parts) <= _MERGE_EVERY else [count_merge(parts)]
             out.category_nulls[k] = self.category_nulls.get(k, 0) + o.category_nulls.get(k, 0)
         for k in self.target_counts.keys() | o.target_counts.keys():
             out.target_counts[k] = _add_counts(self.target_counts.get(k, {}), o.target_counts.get(k, {}))
         for k in self.target_moments.keys() | o.target_moments.keys():
             out.target_moments[k] = self.target_moments.get(k, NumericStats()).merge(o.target_moments.get(k, NumericStats()))
         return out
+
+
+    def counts(self, c: str) -> pa.Table:
+        """Categorical column c's counts over every batch merged: {v, n}."""
+        return count_merge(self.categories.get(c, []))
+
+
+_MERGE_EVERY = 64  # count tables are kept apart and merged in one group-by: at most this many at a time
 
 
 def feature_values(table: pa.Table, name: str, dim: int) -> np.ndarray:
@@ -141,7 +151,7 @@ def partial_stats(table: pa.Table, cols: Columns) -> PartialStats:
         if op.needs_sketch:
             s.sketches[c] = [Sketch.of(x) for x in slots]
     for c, op in zip(cols.categorical, categorical_ops(cols)):
-        s.categories[c] = value_counts(table[c]) if op.counted else {}
+        s.categories[c] = [count_table(table[c])] if op.counted else []
         s.category_nulls[c] = table[c].null_count
     for t in cols.targets:
         if t.counted:
@@ -191,12 +201,12 @@ class Transformed:
 UNKNOWN_WARN = 0.05  # a categorical column where more of the fit's rows than this map to "unknown" is warned about
 
 
-def coverage(counts: dict[str, int], kept: tuple[str, ...], nulls: int) -> dict[str, Any]:
+def coverage(counts: pa.Table, kept: tuple[str, ...], nulls: int) -> dict[str, Any]:
     """What the vocabulary keeps of a categorical column, over the fit's training rows: distinct values
     seen, values kept, nulls, and the share of the non-null rows whose value maps to the unknown id."""
-    rows = sum(counts.values())
-    covered = sum(counts[v] for v in kept)
-    return {"distinct": len(counts), "kept": len(kept), "nulls": nulls,
+    rows = pc.sum(counts["n"]).as_py() or 0
+    covered = pc.sum(counts["n"].filter(pc.is_in(counts["v"], value_set=pa.array(kept, pa.string())))).as_py() or 0
+    return {"distinct": counts.num_rows, "kept": len(kept), "nulls": nulls,
             "unknown_share": (rows - covered) / rows if rows else 0.0}
 
 
@@ -269,6 +279,12 @@ class FittedPreprocessor:
         return tuple(len(v) + 1 + (op.buckets if op.encode != "vocab" else 0)
                      for v, op in zip(self.vocab, categorical_ops(self)))
 
+    @cached_property
+    def vocab_arrays(self) -> tuple[pa.Array, ...]:
+        """Each vocabulary as an Arrow string array, the lookup table of category_ids: built once per
+        process (on first use, then kept with this object), never once per row group."""
+        return tuple(pa.array(v, type=pa.string()) for v in self.vocab)
+
     def slots(self, i: int) -> list[FittedNumeric]:
         """Numeric column i's fitted feature slots."""
         at = sum(max(d, 1) for d in self.dims[:i])
@@ -307,15 +323,16 @@ class FittedPreprocessor:
             # A constant (or all-null) slot gets scale 1, so it maps to 0 instead of dividing by zero.
             slots += [fit_numeric(op, n.count, float(n.mean), n.var, n.min, n.max, sk)
                       for n, sk in zip(s.numeric[c], sketches)]
-        vocab = []
+        vocab, cat_counts = [], {}
         for c, op in zip(cols.categorical, categorical_ops(cols)):
             if not op.counted:
                 vocab.append(())
                 continue
-            least = op.min_count or min_count
-            kept = [(v, n) for v, n in s.categories[c].items() if n >= least]
-            kept.sort(key=lambda vn: (-vn[1], vn[0]))  # most frequent first; ties by value, so it is deterministic
-            vocab.append(tuple(v for v, _ in kept[:op.max_size or max_size]))
+            cat_counts[c] = t = s.counts(c)
+            kept = t.filter(pc.greater_equal(t["n"], op.min_count or min_count))
+            # most frequent first; ties by value, so it is deterministic
+            order = pc.sort_indices(kept, sort_keys=[("n", "descending"), ("v", "ascending")])
+            vocab.append(tuple(kept["v"].take(order[:op.max_size or max_size]).to_pylist()))
         targets = []
         for t in cols.targets:
             counts = s.target_counts.get(t.name)
@@ -338,7 +355,7 @@ class FittedPreprocessor:
             "numeric": {c: {"count": sum(n.count for n in s.numeric[c]), "null_rows": s.null_rows.get(c, 0),
                             "min": min((n.min for n in s.numeric[c] if n.count), default=None),
                             "max": max((n.max for n in s.numeric[c] if n.count), default=None)} for c in cols.numeric},
-            "categorical": {c: coverage(s.categories[c], v, s.category_nulls[c]) if op.counted else
+            "categorical": {c: coverage(cat_counts[c], v, s.category_nulls[c]) if op.counted else
                             {"hashed_into": op.buckets, "nulls": s.category_nulls[c]}
                             for c, v, op in zip(cols.categorical, vocab, categorical_ops(cols))},
             "targets": {t.name: dict(sorted(s.target_counts[t.name].items())) if t.name in s.target_counts else
@@ -425,16 +442,16 @@ class FittedPreprocessor:
         for c in self.indicators:
             xt[at] = (~np.isfinite(feature_values(table, c, self.dims[self.numeric.index(c)]))).any(axis=1)
             at += 1
-        for j, (c, vocab, op) in enumerate(zip(self.categorical, self.vocab, categorical_ops(self))):
+        for j, (c, vocab, op) in enumerate(zip(self.categorical, self.vocab_arrays, categorical_ops(self))):
             ct[j] = self._category_ids(table, c, vocab, op)
 
     @staticmethod
-    def _category_ids(table: pa.Table, c: str, vocab: tuple[str, ...], op: CategoricalOp) -> np.ndarray:
+    def _category_ids(table: pa.Table, c: str, vocab: pa.Array, op: CategoricalOp) -> np.ndarray:
         if op.cross:
             return hashed_ids(*cross_hash(table, op.cross), op.buckets)
         if op.encode == "hash":
             return hashed_ids(*fnv1a(table[c]), op.buckets)
-        ids = category_ids(table[c], pa.array(vocab, type=pa.string()))
+        ids = category_ids(table[c], vocab)
         if op.encode == "vocab+hash":  # values outside the vocabulary: hashed into ids after it
             out = ~(ids > 0) & table[c].is_valid().to_numpy(zero_copy_only=False)
             if out.any():
