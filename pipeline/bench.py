@@ -356,7 +356,9 @@ def add_parser(sub, add_config_flags) -> None:
                        description=__doc__)
     p.add_argument("--mode", choices=["loader", "preprocess"], default="loader",
                    help="preprocess: see `pipeline/bench_preprocess.py` (fit + transform vs a single-process script)")
-    p.add_argument("--rows", type=int, default=None, help="default 2M (loader), 10M (preprocess)")
+    p.add_argument("--rows", type=int, default=None, help="default 2M (loader), 10M (preprocess; 2M for criteo)")
+    p.add_argument("--dataset", choices=["demo", "criteo"], default="demo",
+                   help="preprocess: the demo data and recipe, or Criteo-shaped data and the DLRM recipe")
     p.add_argument("--shards", type=int, default=32, help="preprocess: files the rows are written in")
     p.add_argument("--world", type=int, default=2, help="preprocess: ranks whose shares are transformed")
     p.add_argument("--data", default=None, help="preprocess: where the files are (default data/bench-<rows>)")

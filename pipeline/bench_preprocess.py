@@ -80,6 +80,63 @@ def handwritten(paths: list[str]) -> dict:
     return {"seconds": seconds, "rows": n, "rows_per_s": n / seconds, "packed_bytes": out.nbytes}
 
 
+def handwritten_dlrm(paths: list[str]) -> dict:
+    """The DLRM recipe by hand, as a user writes it with pyarrow and numpy: pass 1 counts every
+    categorical value (per file with pyarrow, merged as Arrow tables), pass 2 packs the rows: counts
+    with nulls as 0, negatives as 0, log(1 + x); categories with a frequency threshold of 3 (ids by
+    frequency, 0 for the rest and for nulls); the label."""
+    from .demo import CRITEO_CATEGORICAL, CRITEO_NUMERIC
+
+    numeric, categorical = list(CRITEO_NUMERIC), list(CRITEO_CATEGORICAL)
+    t0 = time.perf_counter()
+    parts: list[list[pa.Table]] = [[] for _ in categorical]
+    n = 0
+    for p in paths:  # pass 1: category counts
+        t = pq.read_table(p, columns=categorical)
+        n += t.num_rows
+        for j, c in enumerate(categorical):
+            vc = pc.value_counts(t[c])
+            parts[j].append(pa.table({"v": vc.field("values"), "n": vc.field("counts")}))
+    vocab = []
+    for j in range(len(categorical)):
+        g = pa.concat_tables(parts[j]).group_by("v").aggregate([("n", "sum")])
+        g = g.filter(pc.and_(pc.greater_equal(g["n_sum"], 3), pc.is_valid(g["v"])))
+        vocab.append(g["v"].take(pc.sort_indices(g, sort_keys=[("n_sum", "descending"), ("v", "ascending")])))
+    width = len(numeric) + len(categorical) + 1
+    out = np.empty((n, width), np.float32)
+    at = 0
+    for p in paths:  # pass 2: the packed rows
+        t = pq.read_table(p, columns=[*numeric, *categorical, LABEL])
+        k = t.num_rows
+        x = np.column_stack([t[c].to_numpy(zero_copy_only=False) for c in numeric]).astype(np.float64)
+        x = np.log1p(np.maximum(np.nan_to_num(x, nan=0.0), 0.0))
+        out[at:at + k, :len(numeric)] = x
+        ids = out[at:at + k, len(numeric):-1].view(np.int32)
+        for j, c in enumerate(categorical):
+            ids[:, j] = pc.fill_null(pc.index_in(t[c], value_set=vocab[j]), -1).to_numpy() + 1
+        out[at:at + k, -1] = t[LABEL].to_numpy(zero_copy_only=False)
+        at += k
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "rows": n, "rows_per_s": n / seconds, "packed_bytes": out.nbytes}
+
+
+def _dlrm_keys() -> dict:
+    from .demo import CRITEO_CATEGORICAL, CRITEO_NUMERIC
+
+    return dict(numeric=list(CRITEO_NUMERIC), categorical=list(CRITEO_CATEGORICAL), vocab_max_size=100_000_000,
+                vocab_min_count=3, missing_indicator=False,
+                numeric_transform={"log1p": True, "scale": "none", "fill": "zero"})
+
+
+# dataset -> (what it is, the project's prepare() keywords, the hand-written script)
+DATASETS = {
+    "demo": (f"{len(DEMO_NUMERIC)} numeric + {len(DEMO_CATEGORICAL)} categorical + label; standardize, top-1000 "
+             f"vocabularies", lambda: dict(numeric=list(DEMO_NUMERIC), categorical=list(DEMO_CATEGORICAL)), handwritten),
+    "criteo": ("Criteo-shaped: 13 counts + 26 hashed categoricals + label; the DLRM recipe: log(1 + x) counts, "
+               "frequency threshold 3", _dlrm_keys, handwritten_dlrm),
+}
+
+
 def _memory() -> tuple[int, int]:
     """(USS, PSS) of this process in bytes, from /proc/self/smaps_rollup."""
     fields = {}
@@ -119,7 +176,7 @@ def _rank_read(plan, rank: int, how: str) -> dict:
             "pss_peak_extra": max(peak[1], p) - base[1]}
 
 
-def project(path: str, world: int, how: str) -> dict:
+def project(path: str, world: int, how: str, dataset: str = "demo") -> dict:
     import ray
 
     import pipeline
@@ -131,9 +188,17 @@ def project(path: str, world: int, how: str) -> dict:
         ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, logging_level="ERROR")
     quiet_ray_data(progress=False)
     t0 = time.perf_counter()
-    plan = pipeline.prepare(path, label=LABEL, numeric=list(DEMO_NUMERIC), categorical=list(DEMO_CATEGORICAL),
-                            world_size=world, use_ray=True)
+    plan = pipeline.prepare(path, label=LABEL, world_size=world, use_ray=True, **DATASETS[dataset][1]())
     fit_s = time.perf_counter() - t0
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:  # the fitted state a job saves, and what loading it costs
+        plan.save_fit(f"{d}/fit.json")
+        plan.fitted.save(f"{d}/preprocessor.json")
+        sizes = {n: os.path.getsize(f"{d}/{n}") for n in ("fit.json", "preprocessor.json")}
+        t2 = time.perf_counter()
+        pipeline.FittedPreprocessor.load(f"{d}/preprocessor.json")
+        load_s = time.perf_counter() - t2
     t1 = time.perf_counter()
     # A rank holds a CPU, as a CPU training worker does; with ray_data its Ray Data tasks take the others.
     read = ray.remote(num_cpus=0 if how == "ray_data" else 1)(_rank_read)
@@ -143,21 +208,23 @@ def project(path: str, world: int, how: str) -> dict:
     rows = plan.accounting.rows_used
     return {"validate_s": plan.timings["validate_s"], "fit_pass_s": plan.timings["fit_s"], "prepare_s": fit_s,
             "transform_s": transform_s, "transform_with_process_start_s": with_start_s,
-            "seconds": fit_s + transform_s, "rows": rows,
+            "seconds": fit_s + transform_s, "rows": rows, "state_bytes": sizes, "state_load_s": load_s,
+            "vocab_values": sum(len(v) for v in plan.fitted.vocab),
             "rows_per_s": rows / (fit_s + transform_s), "ranks": ranks}
 
 
-def run(rows: int, shards: int, world: int, data_dir: str | None, repeats: int, how: str = "worker") -> dict:
+def run(rows: int, shards: int, world: int, data_dir: str | None, repeats: int, how: str = "worker",
+        dataset: str = "demo") -> dict:
     from . import demo
 
-    path = data_dir or f"data/bench-{rows}"
+    path = data_dir or (f"data/bench-{rows}" if dataset == "demo" else f"data/bench-{dataset}-{rows}")
     t0 = time.perf_counter()
-    paths = demo.generate(path, rows, shards, seed=0)
+    paths = (demo.generate if dataset == "demo" else demo.generate_criteo)(path, rows, shards, seed=0)
     res: dict = {"rows": rows, "shards": shards, "world": world, "cpu_count": os.cpu_count(), "data": path, "read_share": how,
-                 "generate_s": time.perf_counter() - t0, "handwritten": [], "project": []}
+                 "dataset": dataset, "generate_s": time.perf_counter() - t0, "handwritten": [], "project": []}
     for _ in range(repeats):  # interleaved: a noisy neighbour slows one sample, not one side
-        res["handwritten"].append(handwritten(paths))
-        res["project"].append(project(path, world, how))
+        res["handwritten"].append(DATASETS[dataset][2](paths))
+        res["project"].append(project(path, world, how, dataset))
     h = min(res["handwritten"], key=lambda r: r["seconds"])
     p = min(res["project"], key=lambda r: r["seconds"])
     res["best"] = {"handwritten": h, "project": p, "ratio_project_over_handwritten": p["seconds"] / h["seconds"],
@@ -168,17 +235,20 @@ def run(rows: int, shards: int, world: int, data_dir: str | None, repeats: int, 
 def table(res: dict) -> str:
     b = res["best"]
     h, p = b["handwritten"], b["project"]
-    lines = [f"preprocessing {res['rows']:,} rows in {res['shards']} shards ({len(DEMO_NUMERIC)} numeric + "
-             f"{len(DEMO_CATEGORICAL)} categorical + label), {res['world']} ranks, {res['cpu_count']} cores, "
-             f"best of {len(res['project'])}; shares read by: {res['read_share']}",
+    lines = [f"preprocessing {res['rows']:,} rows in {res['shards']} shards ({DATASETS[res.get('dataset', 'demo')][0]}), "
+             f"{res['world']} ranks, {res['cpu_count']} cores, best of {len(res['project'])}; shares read by: "
+             f"{res['read_share']}",
              f"  (h) hand-written, one process, fit + transform   {h['seconds']:7.1f} s  {h['rows_per_s'] / 1e6:6.2f} M rows/s",
              f"  (p) this project: validate + fit pass            {p['prepare_s']:7.1f} s  (fit pass {p['fit_pass_s']:.1f} s)",
              f"      every rank's share into its packed tensor    {p['transform_s']:7.1f} s  (in running workers; "
              f"{p['transform_with_process_start_s']:.1f} s with starting them)",
              f"      total                                        {p['seconds']:7.1f} s  {p['rows_per_s'] / 1e6:6.2f} M rows/s"
              f"   p/h = {b['ratio_project_over_handwritten']:.2f}"]
+    mib = 2**20
+    lines.append(f"  fitted state: {p['vocab_values']:,} vocabulary values; fit.json {p['state_bytes']['fit.json'] / mib:.1f} "
+                 f"MiB, preprocessor.json {p['state_bytes']['preprocessor.json'] / mib:.1f} MiB, loaded in "
+                 f"{p['state_load_s']:.2f} s")
     for r in p["ranks"]:
-        mib = 2**20
         lines.append(f"  rank {r['rank']}: {r['rows']:,} rows, {r['packed_bytes'] / mib:.0f} MiB packed; peak beyond its "
                      f"fixed size: USS {r['uss_peak_extra'] / mib:.0f} MiB ({r['uss_peak_extra'] / r['packed_bytes']:.2f}x), "
                      f"PSS {r['pss_peak_extra'] / mib:.0f} MiB ({r['pss_peak_extra'] / r['packed_bytes']:.2f}x)")
@@ -215,5 +285,6 @@ def plot(res: dict, path: str) -> None:
 def main(args) -> int:
     from .bench import report
 
-    res = run(args.rows or 10_000_000, args.shards, args.world, args.data, args.repeats, args.read_share)
+    res = run(args.rows or (10_000_000 if args.dataset == "demo" else 2_000_000), args.shards, args.world, args.data,
+              args.repeats, args.read_share, args.dataset)
     return report(res, table, plot, args)

@@ -80,6 +80,7 @@ class Columns:
     numeric_ops: tuple = ()
     categorical_ops: tuple = ()
     crosses: tuple = ()
+    function: str = ""  # preprocess.function: run on every batch as read, before anything else
 
     @property
     def read(self) -> list[str]:

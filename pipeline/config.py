@@ -124,6 +124,9 @@ class PreprocessSection(_Section):
     missing_indicator: bool = Field(True, description="add a 0/1 column per numeric feature that had nulls")
     standardize_target: bool = Field(True, description="regression targets: train on (y - mean) / std; "
                                                         "FittedPreprocessor.inverse_target undoes it")
+    function: str = Field("", description="your own vectorised function, 'package.module:function', pyarrow Table -> "
+                                          "Table (adding or replacing columns), run on every batch before the "
+                                          "statistics and at serving time (recorded in the fitted state)")
     numeric_transform: ColumnTransform = Field(ColumnTransform(), description="the default for every numeric column")
     categorical_transform: ColumnTransform = Field(ColumnTransform(), description="the default for every categorical "
                                                                                   "column")

@@ -22,8 +22,8 @@ import pyarrow.compute as pc
 from . import storage
 from .columns import Columns, as_float64, as_matrix, as_string, category_ids, count_merge, count_table, value_counts
 from .errors import DataError
-from .transforms import (CategoricalOp, FittedNumeric, NumericOp, Sketch, apply_numeric, cross_hash, cross_name,
-                         fit_numeric, fnv1a, hashed_ids, prescale)
+from .transforms import (CategoricalOp, FittedNumeric, NumericOp, Sketch, apply_function, apply_numeric, cross_hash,
+                         cross_name, fit_numeric, fnv1a, hashed_ids, prescale, user_function)
 
 FORMAT = "pipeline.FittedPreprocessor"
 VERSION = 3
@@ -268,6 +268,7 @@ class FittedPreprocessor:
     fills: tuple[float, ...] = ()
     boundaries: tuple[tuple[float, ...], ...] = ()
     categorical_ops: tuple[CategoricalOp, ...] = ()
+    function: str = ""  # preprocess.function, run on the input before anything else (serving too)
 
     @property
     def num_features(self) -> int:
@@ -373,7 +374,7 @@ class FittedPreprocessor:
             vocab=(*vocab, *(() for _ in cols.crosses)), targets=tuple(targets), weight=cols.weight, stats=stats,
             numeric_ops=() if default else numeric_ops(cols), fills=() if default else tuple(f.fill for f in slots),
             boundaries=() if default else tuple(f.boundaries for f in slots),
-            categorical_ops=() if all(op == CategoricalOp() for op in cat_ops) else cat_ops,
+            categorical_ops=() if all(op == CategoricalOp() for op in cat_ops) else cat_ops, function=cols.function,
         )
 
     # -- transform ------------------------------------------------------------------------------
@@ -385,6 +386,8 @@ class FittedPreprocessor:
         usually lacks them). A target value the fit never saw (an unseen class, a null, a binary target
         that is not 0/1) is an error naming the column and the value, never a silent 'unknown'."""
         table = _to_table(data)
+        if self.function:
+            table = apply_function(self.function, table)
         x, x_cat = self.features(table)
         names = self.target_names
         want = bool(names) and (with_target or (with_target is None and all(n in table.column_names for n in names)))
@@ -523,7 +526,7 @@ class FittedPreprocessor:
             "format": FORMAT, "version": VERSION, "numeric": numeric, "categorical": cats,
             "targets": [{"name": t.name, "kind": t.kind, "classes": list(t.classes), "mean": t.mean, "std": t.std,
                          "counts": list(t.counts)} for t in self.targets],
-            "weight": self.weight, "stats": self.stats,
+            "weight": self.weight, "stats": self.stats, **({"function": self.function} if self.function else {}),
         }
 
     @classmethod
@@ -555,6 +558,7 @@ class FittedPreprocessor:
             fills=() if default else tuple(float(x) for e in num for x in slots(e, "fill", 0.0)),
             boundaries=() if default else tuple(tuple(float(b) for b in x) for e in num for x in slots(e, "boundaries", [])),
             categorical_ops=() if all(op == CategoricalOp() for op in cat_ops) else cat_ops,
+            function=_importable(d.get("function", "")),
         )
 
     def save(self, uri: str) -> None:
@@ -564,6 +568,14 @@ class FittedPreprocessor:
     @classmethod
     def load(cls, uri: str) -> "FittedPreprocessor":
         return cls.from_dict(storage.read_json(uri))
+
+
+def _importable(function: str) -> str:
+    """A saved preprocessor that runs the user's function is refused where it cannot be imported (one
+    paragraph, at load), never at the first request."""
+    if function:
+        user_function(function)
+    return function
 
 
 def _op_dict(op) -> dict[str, Any]:

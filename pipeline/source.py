@@ -208,11 +208,19 @@ def _footer(fs, path: str, root: str, listed: tables.TableFile | None = None) ->
     return Shard(path, md.num_rows, groups, size, schema, partition, mtime, md.serialized_size)
 
 
-def column_types(shard: Shard) -> dict[str, str]:
-    """Type family of every column, partition keys (strings) included."""
+def column_types(shard: Shard, function: str = "") -> dict[str, str]:
+    """Type family of every column, partition keys (strings) included; with preprocess.function, of
+    the columns it gives back (it is run on the file's schema, no rows)."""
     out = {name: family(shard.schema.field(name).type) for name in shard.schema.names}
     for k, _ in shard.partition:
         out.setdefault(k, "string")
+    if function:
+        empty = shard.schema.empty_table()
+        for k, _ in shard.partition:
+            if k not in empty.column_names:
+                empty = empty.append_column(k, pa.array([], pa.string()))
+        after = transforms.apply_function(function, empty)
+        out = {name: family(after.schema.field(name).type) for name in after.schema.names}
     return out
 
 
@@ -332,7 +340,7 @@ def inspect(cfg: Config, uri: str | None = None) -> Source:
         found = list(pool.map(lambda p: _footer(fs, p, root, listed.get(p)), paths))
     good = [s for s in found if isinstance(s, Shard)]
     bad = [b for b in found if isinstance(b, BadFile)]
-    types = {s.path: column_types(s) for s in good}
+    types = {s.path: column_types(s, cfg.preprocess.function) for s in good}
     inferred = not cfg.data.numeric and not cfg.data.categorical
     skipped: list[str] = []
     if inferred and good:
@@ -374,7 +382,7 @@ def inspect(cfg: Config, uri: str | None = None) -> Source:
     except ValueError as e:
         raise DataError(str(e)) from None
     columns = Columns(numeric=tuple(numeric), dims=dims, categorical=tuple(categorical),
-                      numeric_ops=ops[0], categorical_ops=ops[1], crosses=ops[2],
+                      numeric_ops=ops[0], categorical_ops=ops[1], crosses=ops[2], function=cfg.preprocess.function,
                       targets=tuple(Target(t, majority[t], cfg.data.kind_of(t)) for t in cfg.data.targets),
                       weight=cfg.data.weight or None, passthrough=tuple(cfg.data.passthrough),
                       label_values=cfg.quality.label_values)
@@ -468,10 +476,10 @@ def deep_check(uri: str, shard: Shard) -> Iterator[tuple[int, str | None]]:
                 yield g, f"cannot be decoded ({type(e).__name__}: {e})"
 
 
-def read_fragment(uri: str, frag: Fragment, columns: list[str], pf: pq.ParquetFile | None = None) -> pa.Table:
-    """Read one row group, only the named columns (column pushdown), with page checksums verified where
-    the writer stored them, from `pf` (see opened) or the file; partition keys named in `columns` come
-    from the path."""
+def read_fragment(uri: str, frag: Fragment, columns: list[str] | None, pf: pq.ParquetFile | None = None) -> pa.Table:
+    """Read one row group, only the named columns (column pushdown; None: every column), with page
+    checksums verified where the writer stored them, from `pf` (see opened) or the file; partition keys
+    named in `columns` come from the table's metadata or the path."""
     if pf is None:
         with opened(uri, frag.path) as pf:
             if pf is None:  # open it again without the guard, for the error itself
@@ -481,6 +489,8 @@ def read_fragment(uri: str, frag: Fragment, columns: list[str], pf: pq.ParquetFi
             return read_fragment(uri, frag, columns, pf)
     part = dict(frag.partition)
     names = set(pf.schema_arrow.names)
+    if columns is None:
+        columns = list(dict.fromkeys([*pf.schema_arrow.names, *part]))
     table = pf.read_row_group(frag.row_group, columns=[c for c in columns if c in names])
     for col in table.columns:
         if pa.types.is_dictionary(col.type):  # a damaged page can decode to indices past its dictionary

@@ -20,6 +20,7 @@ from .plan import Piece, holdout_mask
 from .preprocess import FittedPreprocessor, PartialStats, partial_stats
 from .quality import Accounting, screen
 from .source import DamagedRowGroup, Fragment, Source, opened, read_fragment
+from .transforms import apply_function
 
 ROW_ID = "__row_id"
 
@@ -39,8 +40,9 @@ class ReadSpec:
 def read(spec: ReadSpec, frag: Fragment, pf=None) -> pa.Table | dict:
     """The fragment's rows with their global row ids, or (on_bad_file = quarantine) a manifest entry
     saying why not. pf: the file, already open (source.opened)."""
+    fn = spec.columns.function
     try:
-        table = read_fragment(spec.uri, frag, spec.columns.read, pf)
+        table = read_fragment(spec.uri, frag, None if fn else spec.columns.read, pf)
     except (OSError, pa.ArrowException) as e:
         rows = f"rows {frag.file_row_start}-{frag.file_row_start + frag.num_rows - 1}"
         text = str(e).lower()
@@ -57,6 +59,8 @@ def read(spec: ReadSpec, frag: Fragment, pf=None) -> pa.Table | dict:
         return {"file": frag.path, "row_group": frag.row_group, "row_start": frag.file_row_start,
                 "rows": frag.num_rows, "reason": f"row group {what} ({type(e).__name__}: {e})"
                 + (f"; {why}" if what == "is encrypted" else "")}
+    if fn:  # the user's function sees every column of the row group, then only what is used is kept
+        table = apply_function(fn, table).select(spec.columns.read)
     return table.append_column(ROW_ID, pa.array(np.arange(frag.row_start, frag.row_start + frag.num_rows)))
 
 
@@ -110,9 +114,15 @@ def by_file(items: list, path_of, rows_of, same=lambda a, b: True) -> list[list]
     return groups
 
 
+def as_dictionary(spec: ReadSpec) -> tuple[str, ...]:
+    """String categoricals are read as dictionaries (ids and counts per dictionary entry), unless the
+    user's function comes first: it sees the columns as the file holds them."""
+    return () if spec.columns.function else spec.columns.categorical
+
+
 def fit_group(spec: ReadSpec, frags: list[Fragment]) -> list[tuple]:
     """fit_fragment over fragments of one file, opened once."""
-    with opened(spec.uri, frags[0].path, spec.columns.categorical) as pf:
+    with opened(spec.uri, frags[0].path, as_dictionary(spec)) as pf:
         return [fit_fragment(spec, f, pf) for f in frags]
 
 
@@ -132,7 +142,7 @@ def piece_groups(pieces, mix: bool = False) -> list[list[Piece]]:
 def transform_group(spec: ReadSpec, fitted: FittedPreprocessor, pieces: list[Piece]) -> list[Part]:
     """transform_piece over pieces of one file, opened once; pieces of the same row group share one
     read, screen and hold-out split."""
-    with opened(spec.uri, pieces[0].fragment.path, spec.columns.categorical) as pf:
+    with opened(spec.uri, pieces[0].fragment.path, as_dictionary(spec)) as pf:
         last: dict = {}
         out = []
         for p in pieces:

@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from .columns import as_string, decoded
+from .errors import DataError
 
 SCALERS = ("standardize", "minmax", "bucketize", "none")
 FILLS = ("mean", "median", "zero", "constant")
@@ -327,3 +328,34 @@ def resolve(pre, numeric: list[str], categorical: list[str], names: set[str]):
 
 def cross_name(op: CategoricalOp) -> str:
     return "*".join(op.cross)
+
+
+# ---------------------------------------------------------------------------------------------
+# The user's own function: a vectorised pyarrow Table -> Table that adds or replaces columns
+
+
+def user_function(path: str):
+    """The function named 'package.module:function', imported; one paragraph when it cannot be."""
+    import importlib
+
+    module, _, name = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise DataError(f"preprocess.function = {path!r} cannot be imported here ({type(e).__name__}: {e}); it must be "
+                        f"'package.module:function', importable in every process that reads or serves the data (the "
+                        f"driver, each Ray node, the serving process): install its package there, or set PYTHONPATH "
+                        f"(for `ray job submit`: the runtime env's working_dir or py_modules)") from None
+    if not callable(fn):
+        raise DataError(f"preprocess.function = {path!r} names a {type(fn).__name__}, not a function")
+    return fn
+
+
+def apply_function(path: str, table: pa.Table) -> pa.Table:
+    """Run the user's function on a batch; it must give back a Table with as many rows."""
+    out = user_function(path)(table)
+    if not isinstance(out, pa.Table) or out.num_rows != table.num_rows:
+        got = f"a Table of {out.num_rows} rows" if isinstance(out, pa.Table) else type(out).__name__
+        raise DataError(f"preprocess.function = {path!r} returned {got} for a Table of {table.num_rows} rows; it must "
+                        f"return a pyarrow Table with the same rows (adding or replacing columns)")
+    return out

@@ -33,3 +33,15 @@ def test_preprocess_bench_times_both_sides_and_a_ranks_memory(tmp_path, capsys, 
     assert best["handwritten"]["rows"] == 20_000 and sum(r["rows"] for r in best["project"]["ranks"]) == 20_000
     assert best["ratio_project_over_handwritten"] > 0 and (tmp_path / "prep.png").stat().st_size > 0
     assert all(r["packed_bytes"] > 0 and r["uss_peak_extra"] >= 0 for r in best["project"]["ranks"])
+
+
+def test_preprocess_bench_on_criteo_shaped_data_says_the_fitted_states_size(tmp_path, capsys, ray_local):
+    out = tmp_path / "ctr.json"
+    rc = cli.main(["bench", "--mode", "preprocess", "--dataset", "criteo", "--rows", "20000", "--shards", "2",
+                   "--data", str(tmp_path / "d"), "--out", str(out), "--plot", ""])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "DLRM recipe" in text and "fitted state:" in text and "p/h = " in text
+    p = json.loads(out.read_text())["best"]["project"]
+    assert p["state_bytes"]["preprocessor.json"] > 0 and p["vocab_values"] > 0
+    assert sum(r["rows"] for r in p["ranks"]) == 20_000

@@ -94,12 +94,18 @@ RECIPE = {
 }
 
 
-def test_numeric_transforms_against_numpy(tmp_path):
+@pytest.fixture(scope="module")
+def fitted_recipe(tmp_path_factory) -> tuple[pa.Table, FittedPreprocessor]:
+    """The CTR table and the RECIPE fitted on it (every row a training row)."""
     t = ctr_table()
-    path = write(tmp_path, t)
+    path = write(tmp_path_factory.mktemp("ctr"), t)
     plan = pipeline.prepare(path, label="label", world_size=1, numeric=["I1", "I2"], categorical=["C1", "C2"],
                             val_fraction=0.0, **RECIPE)
-    f = plan.fitted
+    return t, plan.fitted
+
+
+def test_numeric_transforms_against_numpy(fitted_recipe):
+    t, f = fitted_recipe
     out = f.transform(t)
     i1 = t["I1"].to_numpy(zero_copy_only=False).astype(np.float64)
     want = np.where(np.isnan(i1), 0.0, np.log1p(np.maximum(i1, 0.0)))  # negatives to 0, log1p, nulls 0
@@ -114,12 +120,8 @@ def test_numeric_transforms_against_numpy(tmp_path):
     assert f.num_features == 3 and f.indicators == ("I1",)  # I1 had nulls: its 0/1 missing indicator stays
 
 
-def test_categorical_encodings_and_crosses(tmp_path):
-    t = ctr_table()
-    path = write(tmp_path, t)
-    plan = pipeline.prepare(path, label="label", world_size=1, numeric=["I1", "I2"], categorical=["C1", "C2"],
-                            val_fraction=0.0, **RECIPE)
-    f = plan.fitted
+def test_categorical_encodings_and_crosses(fitted_recipe):
+    t, f = fitted_recipe
     assert f.categorical == ("C1", "C2", "C1*C2")
     c1 = t["C1"].to_pylist()
     counts = {v: c1.count(v) for v in set(c1) - {None}}
@@ -184,3 +186,30 @@ def test_minmax_clip_and_constant_fill():
     out = f.transform(t, with_target=False).x_num[:, 0]
     assert out.tolist() == np.array([0.0, 0.0, 0.2, 0.7, 1.0, 0.5], dtype=np.float32).tolist()
     assert not math.isnan(f.fills[0])
+
+
+def test_a_users_function_runs_before_the_statistics_and_at_serving(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    t = ctr_table(2000, seed=5)
+    path = write(tmp_path, t)
+    keys = dict(label="label", numeric=["I2", "ratio"], categorical=["C2"], val_fraction=0.0,
+                function="user_functions:ratio_and_domain")
+    plan = pipeline.prepare(path, world_size=1, **keys)
+    f = plan.fitted
+    from user_functions import ratio_and_domain
+
+    assert set(f.vocab[0]) == {v[:2] for v in t["C2"].to_pylist()}  # the statistics are of its output
+    ratio = ratio_and_domain(t)["ratio"].to_numpy(zero_copy_only=False)
+    assert f.mean[1] == pytest.approx(np.nanmean(ratio))
+    loaded = FittedPreprocessor.from_dict(json.loads(json.dumps(f.to_dict())))
+    served = loaded.transform(t)  # raw rows: serving runs the function too
+    data = pipeline.rank_data(plan, batch_size=64, device="cpu")
+    import torch
+
+    order = np.argsort(data.train.row_id.numpy())
+    batch = data.train.get_batch(torch.as_tensor(order))
+    assert np.array_equal(batch.x_num.numpy(), served.x_num) and np.array_equal(batch.x_cat.numpy(), served.x_cat)
+    with pytest.raises(DataError, match="cannot be imported here"):
+        FittedPreprocessor.from_dict({**f.to_dict(), "function": "no_such_module:fn"})
+    with pytest.raises(DataError, match="returned a Table of"):
+        pipeline.prepare(path, world_size=1, **{**keys, "function": "user_functions:drops_rows"})
