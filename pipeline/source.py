@@ -47,6 +47,7 @@ class Fragment:
     num_rows: int
     file_row_start: int = 0
     partition: tuple[tuple[str, str | None], ...] = ()  # Spark/Hive key=value directories above the file
+    renames: tuple[tuple[str, str], ...] = ()  # (name in the file, name in the table): Iceberg renames
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class Shard:
     partition: tuple[tuple[str, str | None], ...] = ()
     mtime_ns: int | None = None
     footer_bytes: int = 0
+    renames: tuple[tuple[str, str], ...] = ()  # (name in the file, name in the table); schema has the latter
 
     @property
     def fingerprint(self) -> list:
@@ -169,7 +171,8 @@ def partition_of(path: str, root: str) -> tuple[tuple[str, str | None], ...]:
     return tuple(out)
 
 
-def _footer(fs, path: str, root: str, listed: tables.TableFile | None = None) -> Shard | BadFile:
+def _footer(fs, path: str, root: str, listed: tables.TableFile | None = None,
+            field_names: tuple[tuple[int, str], ...] = ()) -> Shard | BadFile:
     """The file's footer as a Shard, or why it cannot be used. listed: the file as a table's version
     lists it (its partition values and row count come from the table's metadata, not the path)."""
     try:
@@ -205,7 +208,11 @@ def _footer(fs, path: str, root: str, listed: tables.TableFile | None = None) ->
     except (OSError, pa.ArrowException):
         mtime = None
     partition = listed.partition if listed is not None else partition_of(path, root)
-    return Shard(path, md.num_rows, groups, size, schema, partition, mtime, md.serialized_size)
+    renames = tables.renamed(schema, field_names)
+    if renames:
+        now = dict(renames)
+        schema = pa.schema([f.with_name(now.get(f.name, f.name)) for f in schema], metadata=schema.metadata)
+    return Shard(path, md.num_rows, groups, size, schema, partition, mtime, md.serialized_size, renames)
 
 
 def column_types(shard: Shard, function: str = "") -> dict[str, str]:
@@ -337,7 +344,8 @@ def inspect(cfg: Config, uri: str | None = None) -> Source:
         listed, paths = {}, list_shards(uri)
     fs, root = storage.filesystem(uri)
     with ThreadPoolExecutor(max_workers=min(32, len(paths))) as pool:
-        found = list(pool.map(lambda p: _footer(fs, p, root, listed.get(p)), paths))
+        names = table.field_names if table is not None else ()
+        found = list(pool.map(lambda p: _footer(fs, p, root, listed.get(p), names), paths))
     good = [s for s in found if isinstance(s, Shard)]
     bad = [b for b in found if isinstance(b, BadFile)]
     types = {s.path: column_types(s, cfg.preprocess.function) for s in good}
@@ -392,7 +400,7 @@ def inspect(cfg: Config, uri: str | None = None) -> Source:
         in_file = 0
         for g, n in enumerate(s.row_group_rows):
             if n:
-                fragments.append(Fragment(s.path, g, offset, n, in_file, s.partition))
+                fragments.append(Fragment(s.path, g, offset, n, in_file, s.partition, s.renames))
             offset += n
             in_file += n
     return Source(uri, tuple(shards), tuple(fragments), tuple(bad), columns,
@@ -488,16 +496,21 @@ def read_fragment(uri: str, frag: Fragment, columns: list[str] | None, pf: pq.Pa
                     pq.ParquetFile(f)
             return read_fragment(uri, frag, columns, pf)
     part = dict(frag.partition)
-    names = set(pf.schema_arrow.names)
+    to_table = dict(frag.renames)
+    in_file = {v: k for k, v in frag.renames}  # a renamed column is read by its name in the file
+    file_names = pf.schema_arrow.names
+    names = {to_table.get(n, n) for n in file_names}
     if columns is None:
-        columns = list(dict.fromkeys([*pf.schema_arrow.names, *part]))
-    table = pf.read_row_group(frag.row_group, columns=[c for c in columns if c in names])
+        columns = list(dict.fromkeys([*(to_table.get(n, n) for n in file_names), *part]))
+    table = pf.read_row_group(frag.row_group, columns=[in_file.get(c, c) for c in columns if c in names])
     for col in table.columns:
         if pa.types.is_dictionary(col.type):  # a damaged page can decode to indices past its dictionary
             col.validate(full=True)
     problem = statistics_problem(pf.metadata.row_group(frag.row_group), table)
     if problem:
         raise DamagedRowGroup(f"decoded values disagree with the footer's statistics ({problem})")
+    if to_table:
+        table = table.rename_columns([to_table.get(n, n) for n in table.column_names])
     for c in columns:
         if c not in names and c in part:
             table = table.append_column(c, pa.array([part[c]] * table.num_rows, type=pa.string()))

@@ -49,6 +49,7 @@ class Snapshot:
     root: str  # URI of the table's location: its files live on that filesystem
     version: str  # Delta version number, Iceberg snapshot id ("" for an Iceberg table with no snapshot)
     files: tuple[TableFile, ...]
+    field_names: tuple[tuple[int, str], ...] = ()  # Iceberg: field id -> the column's name now (renames)
 
     def describe(self) -> str:
         what = "version" if self.format == "delta" else "snapshot"
@@ -291,7 +292,21 @@ def _iceberg(uri: str, version: str, catalog: str) -> Snapshot:
         files.append(TableFile(storage.filesystem(f.file_path)[1], f.record_count,
                                _iceberg_partition(table, specs.get(f.spec_id), f.partition)))
     files.sort(key=lambda t: t.path)
-    return Snapshot("iceberg", uri, location, str(snap.snapshot_id), tuple(files))
+    schema = table.schemas().get(snap.schema_id, table.schema()) if snap.schema_id is not None else table.schema()
+    names = tuple((f.field_id, f.name) for f in schema.fields)
+    return Snapshot("iceberg", uri, location, str(snap.snapshot_id), tuple(files), names)
+
+
+def renamed(schema: pa.Schema, field_names: tuple[tuple[int, str], ...]) -> tuple[tuple[str, str], ...]:
+    """(name in the file, name in the table) for each column an Iceberg table renamed after the file was
+    written: Iceberg knows columns by field id (the Parquet field_id), not by name."""
+    now = dict(field_names)
+    out = []
+    for f in schema:
+        fid = (f.metadata or {}).get(b"PARQUET:field_id")
+        if fid is not None and int(fid) in now and now[int(fid)] != f.name:
+            out.append((f.name, now[int(fid)]))
+    return tuple(out)
 
 
 def _iceberg_partition(table, spec, record) -> tuple[tuple[str, str | None], ...]:

@@ -369,3 +369,23 @@ def test_under_torch_distributed_every_process_reads_rank_0s_version(delta_table
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert DeltaTable(delta_table).version() == before + 1  # rank 1 did see a newer latest version
     assert seen[0] == seen[1] == [str(before), 2400]
+
+
+def test_an_iceberg_column_renamed_after_files_were_written_is_read_by_field_id(iceberg):
+    """Iceberg knows columns by field id: files written before a rename hold the old name. Their rows
+    are read under the new name (never a missing column, never two half-empty columns)."""
+    cat, name = iceberg
+    table = cat.load_table(name)
+    with table.update_schema() as update:
+        update.rename_column("cat", "kind")
+    table = cat.load_table(name)
+    table.append(batch(3000, 3200).rename_columns(["id", "x", "kind", "y"]))
+    table = cat.load_table(name)
+    root = table.location().removeprefix("file://")
+    plan = pipeline.prepare(root, label="y", world_size=1, numeric=["x"], categorical=["kind"],
+                            passthrough=["id", "kind"], val_fraction=0.0)
+    data = pipeline.rank_data(plan, batch_size=16, device="cpu")
+    got = sorted(zip(data.train.extra["id"].tolist(), data.train.extra["kind"].tolist()))
+    own = table.scan().to_arrow()
+    assert len(got) == 800 and got == sorted(zip(own["id"].to_pylist(), own["kind"].to_pylist()))
+    assert sorted(plan.fitted.vocab[0]) == [f"c{i}" for i in range(7)]
