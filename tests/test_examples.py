@@ -101,7 +101,7 @@ def test_the_examples_exit_cleanly_every_time(data):
     (gloo's worker thread releasing a collective's tensor during interpreter finalization: SIGABRT,
     `terminate called without an active exception`). Each run must exit 0 and print nothing after
     the last epoch; rank_data ends the process group before finalization (ingest.end_process_group_at_exit)."""
-    for _ in range(4):
+    for _ in range(3):
         assert after_last_epoch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2",
                                  "examples/torchrun_loop.py", "--data", data, "--epochs", "1", "--batch-size", "512"]) == []
     for _ in range(2):

@@ -302,7 +302,7 @@ def test_the_train_job_reads_one_version_while_a_writer_commits(tmp_path):
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "train", "--data.path", path, "--data.label", "y",
                              "--data.numeric", '["x"]', "--data.categorical", '["cat"]', "--run.output",
-                             str(tmp_path / "runs"), "--train.epochs", "2", "--train.hidden", "[8]",
+                             str(tmp_path / "runs"), "--train.epochs", "1", "--train.hidden", "[8]",
                              "--train.batch_size", "128", "--train.num_workers", "2"],
                             cwd=Path(__file__).parents[1], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
