@@ -313,10 +313,11 @@ def _vector_dim(fs, shard: Shard, col: str) -> int:
     t = shard.schema.field(col).type
     if pa.types.is_fixed_size_list(t):
         return t.list_size
+    name = {v: k for k, v in shard.renames}.get(col, col)  # its name in the file
     with fs.open_input_file(shard.path) as f:
         pf = pq.ParquetFile(f)
         for g in range(pf.metadata.num_row_groups):
-            dim = common_length(pf.read_row_group(g, columns=[col])[col])
+            dim = common_length(pf.read_row_group(g, columns=[name])[name])
             if dim is not None:
                 return dim
     raise DataError(f"numeric column '{col}' in '{shard.path}' is a list column with no non-null value, so its "
