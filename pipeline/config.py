@@ -147,8 +147,11 @@ class TrainSection(_Section):
         "auto", description="sparse embedding gradients (SparseAdam for the table, AdamW for the rest): auto uses them "
                             "for tables of 100,000+ rows when training on CPUs (gloo); NCCL cannot all-reduce sparse "
                             "gradients, so GPU training keeps them dense")
+    sparse_optimizer: Literal["adam", "sgd"] = Field(
+        "adam", description="what updates a sparse embedding table: adam (SparseAdam at lr, adaptive per row) or sgd "
+                            "(at embedding_lr, DLRM's recipe: faster steps, slower to learn rare values)")
     embedding_lr: float = Field(0.1, gt=0.0, description="learning rate of the SGD that updates a sparse embedding "
-                                                         "table (DLRM's recipe; the dense parameters use AdamW at lr)")
+                                                         "table (sparse_optimizer = sgd)")
     num_workers: int = Field(2, ge=1, description="Ray Train workers (one per GPU when GPUs are used)")
     use_gpu: Literal["auto", "true", "false"] = "auto"
     seed: int = 0

@@ -83,10 +83,11 @@ def build_model(fitted, cfg: Config, sparse: bool = False) -> TabularMLP:
 
 
 class Optimizers:
-    """AdamW for the dense parameters and, with sparse embeddings, plain SGD for the embedding table
-    (train.embedding_lr), as DLRM trains it: AdamW cannot take sparse gradients, and SparseAdam's
-    coalescing made a step about 1.7x slower than SGD's row updates (measured, Criteo shapes, 2 cores).
-    One object to step, zero and checkpoint."""
+    """AdamW for the dense parameters and, with sparse embeddings, train.sparse_optimizer for the
+    table (AdamW cannot take sparse gradients): adam (SparseAdam at train.lr: adaptive per row, as the
+    dense path) or sgd (train.embedding_lr, as DLRM trains it: SparseAdam's coalescing made a step
+    about 1.7x slower than SGD's row updates, measured on Criteo shapes, 2 cores). One object to step,
+    zero and checkpoint."""
 
     def __init__(self, model: nn.Module, cfg: Config, sparse: bool):
         inner = model.module if hasattr(model, "module") else model
@@ -95,7 +96,8 @@ class Optimizers:
         t = cfg.train
         self.parts = {"dense": torch.optim.AdamW(dense, lr=t.lr, weight_decay=t.weight_decay)}
         if table:
-            self.parts["sparse"] = torch.optim.SGD(table, lr=t.embedding_lr)
+            self.parts["sparse"] = torch.optim.SGD(table, lr=t.embedding_lr) if t.sparse_optimizer == "sgd" else \
+                torch.optim.SparseAdam(table, lr=t.lr)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for o in self.parts.values():
@@ -109,8 +111,12 @@ class Optimizers:
         return {k: o.state_dict() for k, o in self.parts.items()}
 
     def load_state_dict(self, state: dict) -> None:
-        if set(state) != set(self.parts):  # a checkpoint from before, or with other sparse_embeddings
-            state = {"dense": state} if "state" in state else state
+        if "state" in state:  # a checkpoint from before: one AdamW over every parameter
+            state = {"dense": state}
+        if set(state) != set(self.parts):
+            raise pipeline.PipelineError(
+                f"the checkpoint's optimizer has parts {sorted(state)} but this run has {sorted(self.parts)}: it was "
+                f"saved with another train.sparse_embeddings; resume with the setting it was saved with")
         for k, o in self.parts.items():
             o.load_state_dict(state[k])
 
