@@ -219,10 +219,14 @@ def coverage_lines(fitted: "FittedPreprocessor", max_size: int, min_count: int) 
     out = ["[fit] vocabulary coverage: " + "; ".join(
         f"'{c}' {v['kept']:,} of {v['distinct']:,} values kept, {100 * v['unknown_share']:.1f}% of rows unknown"
         for c, v in cats.items() if "kept" in v)]
+    ops = dict(zip(fitted.categorical, categorical_ops(fitted)))
     for c, v in cats.items():
         if v.get("unknown_share", 0.0) > UNKNOWN_WARN:
-            why = (f"preprocess.vocab_max_size = {max_size:,} keeps the most frequent" if v["kept"] >= max_size else
-                   f"preprocess.vocab_min_count = {min_count} leaves out the rarer")
+            op = ops[c]  # the column's own max_size / min_count (preprocess.columns) win over the defaults
+            cap, least = op.max_size or max_size, op.min_count or min_count
+            where = lambda own, key: f"its {key.removeprefix('vocab_')}" if own else f"preprocess.{key}"  # noqa: E731
+            why = (f"{where(op.max_size, 'vocab_max_size')} = {cap:,} keeps the most frequent" if v["kept"] >= cap else
+                   f"{where(op.min_count, 'vocab_min_count')} = {least} leaves out the rarer")
             out.append(f"[warning] '{c}': {100 * v['unknown_share']:.1f}% of the fit's rows map to the unknown id (0): "
                        f"{v['distinct']:,} distinct values, {v['kept']:,} kept ({why}). Raise "
                        f"preprocess.vocab_max_size or lower preprocess.vocab_min_count to keep more, or give the rest hashed "
@@ -502,9 +506,8 @@ class FittedPreprocessor:
     # -- persistence --------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        numeric, at = [], 0
+        numeric = []
         for i, (c, d, op) in enumerate(zip(self.numeric, self.dims, numeric_ops(self))):
-            k = max(d, 1)
             entry = {"name": c, "missing_indicator": c in self.indicators}
             slots = self.slots(i)
             one = (lambda xs: xs) if d else (lambda xs: xs[0])  # noqa: E731 - a list per slot for a vector
@@ -515,7 +518,6 @@ class FittedPreprocessor:
                 entry.update(transform=_op_dict(op), fill=one([f.fill for f in slots]),
                              boundaries=one([list(f.boundaries) for f in slots]))
             numeric.append(entry)
-            at += k
         cats = []
         for c, v, op in zip(self.categorical, self.vocab, categorical_ops(self)):
             entry = {"name": c, "vocab": list(v), "unknown_id": 0}

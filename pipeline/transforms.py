@@ -49,16 +49,6 @@ class NumericOp:
     def needs_sketch(self) -> bool:
         return (self.scale == "bucketize" and not self.boundaries) or self.fill == "median"
 
-    def describe(self) -> str:
-        steps = []
-        if self.clip_min > -math.inf or self.clip_max < math.inf:
-            steps.append(f"clip[{self.clip_min:g}, {self.clip_max:g}]")
-        if self.log1p:
-            steps.append("log1p")
-        steps.append(self.scale if self.scale != "bucketize" else
-                     f"bucketize({len(self.boundaries) + 1 if self.boundaries else self.buckets})")
-        return " > ".join(steps) + (f", fill {self.fill}" if self.fill != "mean" else "")
-
 
 @dataclass(frozen=True)
 class CategoricalOp:
@@ -218,7 +208,7 @@ def fnv1a(col, seed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(64-bit FNV-1a of each value's UTF-8 text as uint64 [n], valid mask [n]), continuing from `seed`
     (a cross); vectorised over the rows, one step per byte position. A dictionary column is hashed
     once per dictionary entry."""
-    if _is_dict(col) and seed is None:
+    if pa.types.is_dictionary(col.type) and seed is None:
         arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
         h_dict, ok_dict = fnv1a(arr.dictionary)
         idx = arr.indices.fill_null(0).to_numpy(zero_copy_only=False)
@@ -241,10 +231,6 @@ def fnv1a(col, seed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
             hs[:k] *= _FNV_PRIME
     h[order] = hs
     return h, valid
-
-
-def _is_dict(col) -> bool:
-    return pa.types.is_dictionary(col.type)
 
 
 def hashed_ids(h: np.ndarray, valid: np.ndarray, buckets: int, first: int = 1) -> np.ndarray:
