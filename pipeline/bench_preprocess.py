@@ -197,7 +197,7 @@ def project(path: str, world: int, how: str, dataset: str = "demo") -> dict:
     with tempfile.TemporaryDirectory() as d:  # the fitted state a job saves, and what loading it costs
         plan.save_fit(f"{d}/fit.json")
         plan.fitted.save(f"{d}/preprocessor.json")
-        sizes = {n: os.path.getsize(f"{d}/{n}") for n in ("fit.json", "preprocessor.json")}
+        sizes = {n: os.path.getsize(f"{d}/{n}") for n in os.listdir(d)}  # the JSONs and their vocabulary file
         t2 = time.perf_counter()
         pipeline.FittedPreprocessor.load(f"{d}/preprocessor.json")
         load_s = time.perf_counter() - t2
@@ -248,9 +248,8 @@ def table(res: dict) -> str:
              f"      total                                        {p['seconds']:7.1f} s  {p['rows_per_s'] / 1e6:6.2f} M rows/s"
              f"   p/h = {b['ratio_project_over_handwritten']:.2f}"]
     mib = 2**20
-    lines.append(f"  fitted state: {p['vocab_values']:,} vocabulary values; fit.json {p['state_bytes']['fit.json'] / mib:.1f} "
-                 f"MiB, preprocessor.json {p['state_bytes']['preprocessor.json'] / mib:.1f} MiB, loaded in "
-                 f"{p['state_load_s']:.2f} s")
+    lines.append(f"  fitted state: {p['vocab_values']:,} vocabulary values; " + ", ".join(
+        f"{n} {v / mib:.1f} MiB" for n, v in sorted(p["state_bytes"].items())) + f"; loaded in {p['state_load_s']:.2f} s")
     for r in p["ranks"]:
         lines.append(f"  rank {r['rank']}: {r['rows']:,} rows, {r['packed_bytes'] / mib:.0f} MiB packed; peak beyond its "
                      f"fixed size: USS {r['uss_peak_extra'] / mib:.0f} MiB ({r['uss_peak_extra'] / r['packed_bytes']:.2f}x), "

@@ -139,12 +139,12 @@ def as_string(col: pa.ChunkedArray | pa.Array) -> pa.Array:
     return pc.cast(col, pa.string())
 
 
-def category_ids(col: pa.ChunkedArray | pa.Array, values: pa.Array) -> np.ndarray:
-    """int32 [n]: each value's position in `values` (a string array) plus one, 0 for a null or a value
-    not there. A dictionary column (how the reader hands string categoricals over, see source.opened)
-    is looked up once per dictionary entry instead of once per row; the ids are the same."""
+def category_ids(col: pa.ChunkedArray | pa.Array, vocab) -> np.ndarray:
+    """int32 [n]: each value's id in `vocab` (a vocab.Vocabulary: position plus one), 0 for a null or a
+    value not there. A dictionary column (how the reader hands string categoricals over, see
+    source.opened) is looked up once per dictionary entry instead of once per row; the ids are the same."""
     def lookup(a: pa.Array) -> np.ndarray:
-        return pc.fill_null(pc.index_in(as_string(a), value_set=values), -1).to_numpy(zero_copy_only=False) + 1
+        return vocab.ids(as_string(a))
 
     arr = _combined(col)
     if not pa.types.is_dictionary(arr.type):

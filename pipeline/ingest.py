@@ -26,7 +26,7 @@ import os
 import pickle
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +128,7 @@ class IngestPlan:
         row accounting, the settings it depends on and a fingerprint of every file (size, modification
         time, row groups, footer size). Plain JSON."""
         storage.write_json(uri, {"format": _FIT_FORMAT, "settings": _fit_settings(self.config),
-                                 "files": self.source.fingerprint, "fitted": self.fitted.to_dict(),
+                                 "files": self.source.fingerprint, "fitted": self.fitted.state(uri),
                                  "table": self.source.table.fingerprint if self.source.table else None,
                                  "accounting": self.accounting.to_state()})
 
@@ -136,7 +136,7 @@ class IngestPlan:
         """Pickle the plan to a file or URI (load it with IngestPlan.load in the same code version)."""
         fs, path = storage.filesystem(uri)
         with fs.open_output_stream(path) as out:
-            out.write(pickle.dumps((_PLAN_FORMAT, self)))
+            out.write(pickle.dumps((_PLAN_FORMAT, replace(self, fitted=self.fitted.unshared()))))  # no object refs
 
     @classmethod
     def load(cls, uri: str) -> "IngestPlan":
@@ -189,7 +189,7 @@ def load_fit(uri: str, cfg: Config, src: Source) -> tuple[FittedPreprocessor, Ac
                             if diff else []))
         raise PipelineError(f"the saved fit '{uri}' does not describe this data: {what}. Its statistics and row counts "
                             f"would be wrong; fit again (leave run.fit_from empty) or restore the data and settings")
-    return FittedPreprocessor.from_dict(saved["fitted"]), Accounting.from_state(saved["accounting"])
+    return FittedPreprocessor.from_dict(saved["fitted"], uri), Accounting.from_state(saved["accounting"])
 
 
 def build_config(config: Config | str | Path | None = None, path: str | None = None, **settings: Any) -> Config:
@@ -310,6 +310,8 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
                       plan_shares(src.fragments, val_counts, world, val=True),
                       {"validate_s": t1 - t0, "fit_s": fit_s, "planned_at": time.time(),
                        "fit_on": f"reused {reuse}" if saved else "Ray" if on_ray else "this process"})
+    if _ray_ready():
+        fitted.shared()  # tasks and training workers get the vocabularies from the object store, not pickled in
     if min(plan.train_sizes) == 0:
         raise DataError(f"{world} ranks but only {plan.train_rows:,} training rows: ranks "
                         f"{[r for r, n in enumerate(plan.train_sizes) if n == 0]} would get none; use fewer ranks")

@@ -20,13 +20,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import storage
+from . import vocab as vocab_file
 from .columns import Columns, as_float64, as_matrix, as_string, category_ids, count_merge, count_table, value_counts
 from .errors import DataError
+from .vocab import Vocabulary, as_vocabularies
 from .transforms import (CategoricalOp, FittedNumeric, NumericOp, Sketch, apply_function, apply_numeric, cross_hash,
                          cross_name, fit_numeric, fnv1a, hashed_ids, prescale, user_function)
 
 FORMAT = "pipeline.FittedPreprocessor"
-VERSION = 3
+VERSION = 4  # 4: vocabularies in an Arrow IPC file beside the JSON (3 and older: inline lists, still read)
 MAX_CLASSES = 2**24  # class ids travel as float32 in the packed rows: exact below 2**24
 
 
@@ -201,11 +203,11 @@ class Transformed:
 UNKNOWN_WARN = 0.05  # a categorical column where more of the fit's rows than this map to "unknown" is warned about
 
 
-def coverage(counts: pa.Table, kept: tuple[str, ...], nulls: int) -> dict[str, Any]:
+def coverage(counts: pa.Table, kept: Vocabulary, nulls: int) -> dict[str, Any]:
     """What the vocabulary keeps of a categorical column, over the fit's training rows: distinct values
     seen, values kept, nulls, and the share of the non-null rows whose value maps to the unknown id."""
     rows = pc.sum(counts["n"]).as_py() or 0
-    covered = pc.sum(counts["n"].filter(pc.is_in(counts["v"], value_set=pa.array(kept, pa.string())))).as_py() or 0
+    covered = pc.sum(counts["n"].filter(pc.is_in(counts["v"], value_set=kept.values))).as_py() or 0
     return {"distinct": counts.num_rows, "kept": len(kept), "nulls": nulls,
             "unknown_share": (rows - covered) / rows if rows else 0.0}
 
@@ -260,7 +262,7 @@ class FittedPreprocessor:
     std: tuple[float, ...]
     indicators: tuple[str, ...]  # numeric columns that get a 0/1 missing-indicator feature
     categorical: tuple[str, ...]
-    vocab: tuple[tuple[str, ...], ...]  # per categorical column; value at position i has id i + 1
+    vocab: tuple[Vocabulary, ...]  # per categorical column; value at position i has id i + 1 (tuples of str accepted)
     targets: tuple[FittedTarget, ...]
     weight: str | None
     stats: dict[str, Any]  # what was seen at fit time (rows, min/max, nulls, target counts): for humans
@@ -274,6 +276,10 @@ class FittedPreprocessor:
     categorical_ops: tuple[CategoricalOp, ...] = ()
     function: str = ""  # preprocess.function, run on the input before anything else (serving too)
 
+    def __post_init__(self):
+        if not all(isinstance(v, Vocabulary) for v in self.vocab):
+            object.__setattr__(self, "vocab", as_vocabularies(self.vocab))
+
     @property
     def num_features(self) -> int:
         return len(self.mean) + len(self.indicators)
@@ -285,10 +291,22 @@ class FittedPreprocessor:
                      for v, op in zip(self.vocab, categorical_ops(self)))
 
     @cached_property
-    def vocab_arrays(self) -> tuple[pa.Array, ...]:
-        """Each vocabulary as an Arrow string array, the lookup table of category_ids: built once per
-        process (on first use, then kept with this object), never once per row group."""
-        return tuple(pa.array(v, type=pa.string()) for v in self.vocab)
+    def vocab_digest(self) -> str:
+        """A digest of every vocabulary: names the vocabulary file saved beside the JSON."""
+        return vocab_file.digest(self.vocab)
+
+    def shared(self) -> "FittedPreprocessor":
+        """Under Ray: the vocabularies put in the object store once, so that every task and training worker
+        this is pickled to gets references and maps its node's one copy (see vocab.py)."""
+        for v in self.vocab:
+            if len(v):
+                v.share()
+        return self
+
+    def unshared(self) -> "FittedPreprocessor":
+        from dataclasses import replace
+
+        return replace(self, vocab=tuple(v.unshared() for v in self.vocab))
 
     def slots(self, i: int) -> list[FittedNumeric]:
         """Numeric column i's fitted feature slots."""
@@ -337,7 +355,7 @@ class FittedPreprocessor:
             kept = t.filter(pc.greater_equal(t["n"], op.min_count or min_count))
             # most frequent first; ties by value, so it is deterministic
             order = pc.sort_indices(kept, sort_keys=[("n", "descending"), ("v", "ascending")])
-            vocab.append(tuple(kept["v"].take(order[:op.max_size or max_size]).to_pylist()))
+            vocab.append(Vocabulary(kept["v"].take(order[:op.max_size or max_size])))
         targets = []
         for t in cols.targets:
             counts = s.target_counts.get(t.name)
@@ -375,7 +393,7 @@ class FittedPreprocessor:
             std=tuple(f.scale for f in slots),
             indicators=tuple(c for c in cols.numeric if missing_indicator and s.null_rows.get(c, 0) > 0),
             categorical=(*cols.categorical, *(cross_name(x) for x in cols.crosses)),
-            vocab=(*vocab, *(() for _ in cols.crosses)), targets=tuple(targets), weight=cols.weight, stats=stats,
+            vocab=(*vocab, *(Vocabulary() for _ in cols.crosses)), targets=tuple(targets), weight=cols.weight, stats=stats,
             numeric_ops=() if default else numeric_ops(cols), fills=() if default else tuple(f.fill for f in slots),
             boundaries=() if default else tuple(f.boundaries for f in slots),
             categorical_ops=() if all(op == CategoricalOp() for op in cat_ops) else cat_ops, function=cols.function,
@@ -449,11 +467,11 @@ class FittedPreprocessor:
         for c in self.indicators:
             xt[at] = (~np.isfinite(feature_values(table, c, self.dims[self.numeric.index(c)]))).any(axis=1)
             at += 1
-        for j, (c, vocab, op) in enumerate(zip(self.categorical, self.vocab_arrays, categorical_ops(self))):
+        for j, (c, vocab, op) in enumerate(zip(self.categorical, self.vocab, categorical_ops(self))):
             ct[j] = self._category_ids(table, c, vocab, op)
 
     @staticmethod
-    def _category_ids(table: pa.Table, c: str, vocab: pa.Array, op: CategoricalOp) -> np.ndarray:
+    def _category_ids(table: pa.Table, c: str, vocab: Vocabulary, op: CategoricalOp) -> np.ndarray:
         if op.cross:
             return hashed_ids(*cross_hash(table, op.cross), op.buckets)
         if op.encode == "hash":
@@ -505,7 +523,9 @@ class FittedPreprocessor:
 
     # -- persistence --------------------------------------------------------------------------
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, vocab_file: str | None = None) -> dict[str, Any]:
+        """The fitted state as JSON-able data. vocab_file: the name (beside the JSON) of the Arrow file that
+        holds the vocabularies (see state); None lists them inline (small fits, tests)."""
         numeric = []
         for i, (c, d, op) in enumerate(zip(self.numeric, self.dims, numeric_ops(self))):
             entry = {"name": c, "missing_indicator": c in self.indicators}
@@ -520,7 +540,7 @@ class FittedPreprocessor:
             numeric.append(entry)
         cats = []
         for c, v, op in zip(self.categorical, self.vocab, categorical_ops(self)):
-            entry = {"name": c, "vocab": list(v), "unknown_id": 0}
+            entry = {"name": c, "unknown_id": 0, **({"vocab_size": len(v)} if vocab_file else {"vocab": list(v)})}
             if op != CategoricalOp():
                 entry["transform"] = _op_dict(op)
             cats.append(entry)
@@ -529,10 +549,24 @@ class FittedPreprocessor:
             "targets": [{"name": t.name, "kind": t.kind, "classes": list(t.classes), "mean": t.mean, "std": t.std,
                          "counts": list(t.counts)} for t in self.targets],
             "weight": self.weight, "stats": self.stats, **({"function": self.function} if self.function else {}),
+            **({"vocab_file": {"name": vocab_file, "digest": self.vocab_digest}} if vocab_file else {}),
         }
 
+    def state(self, uri: str) -> dict[str, Any]:
+        """to_dict for a JSON saved at `uri`, the vocabularies written beside it as an Arrow IPC file named
+        by their digest (written once: a fit.json and a preprocessor.json in one folder share it)."""
+        if not any(len(v) for v in self.vocab):
+            return self.to_dict()
+        name = vocab_file.file_name(self.vocab_digest)
+        fs, path = storage.filesystem(_beside(uri, name))
+        if not storage.exists(fs, path):
+            vocab_file.write(_beside(uri, name), self.vocab, self.categorical, self.vocab_digest)
+        return self.to_dict(vocab_file=name)
+
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "FittedPreprocessor":
+    def from_dict(cls, d: dict[str, Any], uri: str | None = None) -> "FittedPreprocessor":
+        """The inverse of to_dict / state; uri: where the JSON was read from (its vocabulary file is
+        beside it)."""
         if d.get("format") != FORMAT or not isinstance(d.get("version"), int):
             raise ValueError(f"not a fitted preprocessor (format {d.get('format')!r}); expected {FORMAT!r}")
         if d["version"] > VERSION:
@@ -554,7 +588,7 @@ class FittedPreprocessor:
             mean=flat("mean"), std=flat("std"),
             indicators=tuple(e["name"] for e in num if e["missing_indicator"]),
             categorical=tuple(e["name"] for e in d["categorical"]),
-            vocab=tuple(tuple(e["vocab"]) for e in d["categorical"]), targets=targets, weight=d.get("weight"),
+            vocab=_vocabularies(d, uri), targets=targets, weight=d.get("weight"),
             stats=d.get("stats", {}),
             numeric_ops=() if default else ops,
             fills=() if default else tuple(float(x) for e in num for x in slots(e, "fill", 0.0)),
@@ -565,11 +599,26 @@ class FittedPreprocessor:
 
     def save(self, uri: str) -> None:
         # repr() of a float64 round-trips exactly through JSON, so load() gives bit-identical arrays.
-        storage.write_json(uri, self.to_dict())
+        storage.write_json(uri, self.state(uri))
 
     @classmethod
     def load(cls, uri: str) -> "FittedPreprocessor":
-        return cls.from_dict(storage.read_json(uri))
+        return cls.from_dict(storage.read_json(uri), uri)
+
+
+def _beside(uri: str, name: str) -> str:
+    return uri.rsplit("/", 1)[0] + "/" + name if "/" in uri else name
+
+
+def _vocabularies(d: dict[str, Any], uri: str | None) -> tuple[Vocabulary, ...]:
+    cats = d["categorical"]
+    if "vocab_file" not in d:
+        return tuple(Vocabulary(e["vocab"]) for e in cats)
+    ref = d["vocab_file"]
+    if uri is None:
+        raise ValueError(f"this fitted state keeps its vocabularies in {ref['name']!r} beside its JSON: load it with "
+                         f"FittedPreprocessor.load(path) (or from_dict(d, path)) so the file can be found")
+    return vocab_file.read(_beside(uri, ref["name"]), [int(e["vocab_size"]) for e in cats], ref["digest"], uri)
 
 
 def _importable(function: str) -> str:

@@ -279,7 +279,7 @@ def target_figures(metrics: dict, targets) -> str:
     return "; ".join(parts)
 
 
-def _save_checkpoint(model: nn.Module, optimizer, loader, history: list, fitted_json: str, cfg_json: str,
+def _save_checkpoint(model: nn.Module, optimizer, loader, history: list, fitted, cfg_json: str,
                      partial: dict[str, Any] | None = None):
     """A directory holding model, optimizer and loader state, the fitted preprocessor and the config.
 
@@ -291,8 +291,7 @@ def _save_checkpoint(model: nn.Module, optimizer, loader, history: list, fitted_
     inner = model.module if hasattr(model, "module") else model
     torch.save({"model": inner.state_dict(), "optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
                 "history": history, "partial": partial}, os.path.join(d, CHECKPOINT_FILE))
-    with open(os.path.join(d, PREPROCESSOR_FILE), "w") as f:
-        f.write(fitted_json)
+    fitted.save(os.path.join(d, PREPROCESSOR_FILE))  # and its vocabulary file beside it
     with open(os.path.join(d, "config.json"), "w") as f:
         f.write(cfg_json)
     return Checkpoint.from_directory(d)
@@ -345,7 +344,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
         print(f"[train] {world} worker(s) on {device.type}, placement={loader.placement}; training rows per rank "
               f"{sizes}; {len(loader)} steps/epoch of {t.batch_size}; drop_last remainder {dropped} rows/epoch", flush=True)
 
-    fitted_json, cfg_json = json.dumps(fitted.to_dict()), json.dumps(cfg.to_dict())
+    cfg_json = json.dumps(cfg.to_dict())
     trace = open(os.path.join(loop_config["run_dir"], f"trace-rank{rank}.txt"), "a") \
         if t.trace_batches and loop_config.get("run_dir") else None
     every = t.checkpoint_every_steps
@@ -381,7 +380,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
                                         stats.rows + batch.x_num.shape[0] + carried[2], stats.data_wait_s + carried[3],
                                         stats.total_s + carried[4]], device)
                 mid = {"epoch": epoch, "sums": sums, "wall": time.perf_counter() - t0 + carried_wall}
-                ckpt_mid = _save_checkpoint(model, optimizer, loader, history, fitted_json, cfg_json, mid) \
+                ckpt_mid = _save_checkpoint(model, optimizer, loader, history, fitted, cfg_json, mid) \
                     if rank == 0 else None
                 ray.train.report({"epoch": epoch, "step": step, "mid_epoch": True}, checkpoint=ckpt_mid)
         wall = time.perf_counter() - t0 + carried_wall
@@ -397,7 +396,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
             print(f"[train] epoch {metrics['epoch']}/{t.epochs}  loss {metrics['train_loss']:.4f}  "
                   f"{target_figures(metrics, fitted.targets)}  {metrics['rows_per_s']:,.0f} rows/s  "
                   f"data wait {metrics['data_wait_pct']:.1f}% of step time", flush=True)
-        checkpoint = _save_checkpoint(model, optimizer, loader, history, fitted_json, cfg_json) if rank == 0 else None
+        checkpoint = _save_checkpoint(model, optimizer, loader, history, fitted, cfg_json) if rank == 0 else None
         ray.train.report(metrics, checkpoint=checkpoint)
     return history
 

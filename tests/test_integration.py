@@ -1,6 +1,5 @@
 """The Ray side on a local Ray: distributed fit, transform parity with serving, the whole job."""
 
-import json
 import os
 
 import numpy as np
@@ -102,8 +101,9 @@ def test_whole_job_learns_and_saves_everything(ray_local, demo_dir, tmp_path, la
     assert 24_000 - val_rows - epochs[0]["rows"] < 2 * 256
     run = summary["run"]
     saved = FittedPreprocessor.load(storage.join(run, "preprocessor.json"))
-    with open(os.path.join(summary["checkpoint"], "preprocessor.json")) as f:
-        assert FittedPreprocessor.from_dict(json.load(f)) == saved
+    # the checkpoint is self-contained: its preprocessor.json and the vocabulary file beside it
+    assert FittedPreprocessor.load(os.path.join(summary["checkpoint"], "preprocessor.json")) == saved
+    assert any(n.startswith("vocab-") and n.endswith(".arrow") for n in os.listdir(summary["checkpoint"]))
     state = torch.load(os.path.join(summary["checkpoint"], "state.pt"), weights_only=False)
     assert {"model", "optimizer", "loader", "history"} <= state.keys()
     assert state["loader"]["epoch"] == 3 and state["loader"]["step"] == 0

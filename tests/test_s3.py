@@ -159,8 +159,8 @@ def test_train_from_s3_to_s3(s3_env, s3_demo):
     assert checkpoints, sorted(keys)
     for ckpt in checkpoints:
         assert f"{ckpt}/preprocessor.json" in keys and keys[f"{ckpt}/state.pt"] > 0
-    in_ckpt = FittedPreprocessor.from_dict(json.loads(_get(f"{checkpoints[-1]}/preprocessor.json")))
-    assert in_ckpt.to_dict() == pre.to_dict()
+    in_ckpt = FittedPreprocessor.load(f"s3://{BUCKET}/{checkpoints[-1]}/preprocessor.json")  # with its vocab file
+    assert in_ckpt == pre and any(k.startswith(f"{checkpoints[-1]}/vocab-") for k in keys)
     state = torch.load(io.BytesIO(_get(f"{checkpoints[-1]}/state.pt")), weights_only=False)
     assert {"model", "optimizer", "loader", "history"} <= set(state)
     assert metrics["checkpoint"].rstrip("/").endswith(f"{BUCKET}/{checkpoints[-1]}")
