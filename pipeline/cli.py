@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import time
 import traceback
@@ -167,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "debug", False):
+        os.environ["PIPELINE_DEBUG"] = "1"  # also for Ray workers started from here (runtime.optional)
     try:
         cfg = None if getattr(args, "no_config", False) else _config_from(args)
         handler: Callable[..., Any] = COMMANDS[args.command][0] if args.command in COMMANDS else args.handler

@@ -7,6 +7,41 @@ import os
 
 from .config import Config
 
+# Ray internals this module reaches into, each for speed or quieter output only. Every use goes through
+# optional(): where an internal is missing or has moved (another Ray release), the project works the
+# same without that optimisation and says so once under --debug (PIPELINE_DEBUG=1), never a traceback.
+# The README lists which speed-up needs which Ray.
+_SKIPPED: set[str] = set()
+
+
+def optional(what: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs), or None where this Ray lacks the internal it uses (said once with --debug)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - an internal that moved: any error means "not available here"
+        if what not in _SKIPPED:
+            _SKIPPED.add(what)
+            if os.environ.get("PIPELINE_DEBUG") == "1":
+                import ray
+
+                print(f"[debug] Ray {ray.__version__}: {what} skipped ({type(e).__name__}: {e}); everything else "
+                      f"is unchanged", flush=True)
+        return None
+
+
+def ray_at_least(version: str) -> bool:
+    """The installed Ray is this release or newer (for internals checked to exist from that release)."""
+    import ray
+
+    def parts(v: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in v.split(".")[:3] if x.isdigit())
+
+    return parts(ray.__version__) >= parts(version)
+
+
+# Internal system settings known to exist in this Ray and newer; older Ray refuses unknown keys.
+PRESTART_SETTING_SINCE = "2.52.0"
+
 
 # A private local Ray is for this machine alone: nothing it opens should listen beyond loopback.
 # Ray 2.60 binds its GCS, raylet, object manager and workers to every interface (and some agents to the
@@ -23,8 +58,14 @@ def loopback_only() -> None:
 
     os.environ.update(LOOPBACK_ONLY)
     constants = sys.modules.get("ray._private.ray_constants")
-    if constants is not None:
+    if constants is not None and hasattr(constants, "ENABLE_RAY_CLUSTER"):
         constants.ENABLE_RAY_CLUSTER = False
+    elif constants is not None:
+        optional("binding an already imported Ray to loopback", _missing, "ray_constants.ENABLE_RAY_CLUSTER")
+
+
+def _missing(name: str) -> None:
+    raise AttributeError(f"{name} is not in this Ray")
 
 
 def private_quiet() -> None:
@@ -81,7 +122,8 @@ def init_ray(cfg: Config, train: bool = False) -> None:
         cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, cfg.train.num_workers + 2)
         loopback_only()
         private_quiet()
-        if train and cfg.loader.read_share == "worker" and cfg.run.fit_on != "ray":
+        if train and cfg.loader.read_share == "worker" and cfg.run.fit_on != "ray" and \
+                ray_at_least(PRESTART_SETTING_SINCE):
             # Ray prestarts idle task workers for a new driver; this job runs no Ray tasks (the driver
             # fits, the ranks read their own shares), and Ray Train's actors each get a process of their
             # own (their runtime_env differs), so those would only take CPU from the start (measured at
@@ -103,13 +145,14 @@ def prestart_train_coordinator() -> None:
     options as here) and waits for it before it starts the workers, a second or more of a new worker
     process on a small machine. Only an earlier start of what Ray Train starts anyway; where this Ray
     has no such actor (another version), nothing happens."""
-    try:
+    def start() -> None:
         from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
             get_or_create_autoscaling_coordinator,
         )
-    except ImportError:
-        return
-    get_or_create_autoscaling_coordinator()
+
+        get_or_create_autoscaling_coordinator()
+
+    optional("prestarting Ray Train's AutoscalingCoordinator", start)
 
 
 def join(address: str, kwargs: dict) -> None:

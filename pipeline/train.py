@@ -660,7 +660,7 @@ def run(cfg: Config, started: float | None = None, ray_s: float = 0.0,
     if early is not None:
         plan.timings["ray_span"] = early.ray_span
     acct = plan.accounting
-    history = result.return_value or []
+    history = getattr(result, "return_value", None) or []  # Ray 2.52 has no return_value: then the last checkpoint's
     if not history and result.checkpoint is not None:
         with result.checkpoint.as_directory() as d:
             history = torch.load(os.path.join(d, CHECKPOINT_FILE), weights_only=False)["history"]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import ray
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the virtualenv's bin: its `ray`, and the `python` jobs run with
@@ -246,7 +247,9 @@ def test_train_job_succeeds(ray_head: Head, job_data: str, tmp_path):
 
     logs = ray_head.ray("job", "logs", "--address", ray_head.address, job_id)
     assert logs.returncode == 0, _tail(logs)
-    assert "[train] epoch 1/1" in logs.stdout and "[train] done" in logs.stdout, logs.stdout[-4000:]
+    assert "[train] done" in logs.stdout and re.search(r"^\s+1\s+\d+\.\d+", logs.stdout, re.M), logs.stdout[-4000:]
+    if tuple(int(x) for x in ray.__version__.split(".")[:2]) >= (2, 60):  # the workers' own lines reach the job's log (Ray 2.52.1: the closing table only)
+        assert "[train] epoch 1/1" in logs.stdout, logs.stdout[-4000:]
     assert "Found multiple active Ray instances" not in logs.stdout  # the job stayed on this cluster
     assert "Requesting resources" not in logs.stdout  # runtime_env's worker_process_setup_hook quiets Ray Train
 

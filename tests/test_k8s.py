@@ -28,6 +28,12 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
+
+import importlib.util  # noqa: E402 - k8s/render.py is a script beside the manifests, not a package
+
+_spec = importlib.util.spec_from_file_location("k8s_render", K8S / "render.py")
+render = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(render)
 SCHEMA_DIR = Path(__file__).resolve().parents[2] / "shared" / "kuberay"
 RAYJOB_FILE = K8S / "rayjob-gpu.yaml"
 RAYCLUSTER_FILE = K8S / "raycluster.yaml"
@@ -58,14 +64,31 @@ def load_doc(path: Path) -> dict:
     return docs[0]
 
 
-def pinned_ray_version() -> str:
-    """X of the `ray[...]>=X,<Y` dependency in pyproject.toml."""
+def ray_range() -> tuple[str, str]:
+    """(X, Y) of the `ray[...]>=X,<Y` dependency in pyproject.toml."""
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     for dep in deps:
-        m = re.fullmatch(r"ray\[[^\]]*\]\s*>=\s*(\d+(?:\.\d+)*)\s*,\s*<\s*\d+(?:\.\d+)*", dep.strip())
+        m = re.fullmatch(r"ray\[[^\]]*\]\s*>=\s*(\d+(?:\.\d+)*)\s*,\s*<\s*(\d+(?:\.\d+)*)", dep.strip())
         if m:
-            return m.group(1)
+            return m.group(1), m.group(2)
     raise AssertionError(f"no `ray[...]>=X,<Y` dependency in pyproject.toml: {deps}")
+
+
+def version_key(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split("."))
+
+
+def image_ray_version() -> str:
+    """The one build argument: k8s/Dockerfile's `ARG RAY_VERSION=` default (k8s/render.py)."""
+    return render.default_version()
+
+
+def pinned_ray_version() -> str:
+    """The Ray version of the image and the committed manifests, checked to lie in pyproject's range."""
+    v, (lo, hi) = image_ray_version(), ray_range()
+    assert version_key(lo) <= version_key(v) < version_key(hi), \
+        f"k8s/Dockerfile RAY_VERSION {v} is outside pyproject.toml's Ray range >={lo},<{hi}"
+    return v
 
 
 def min_python() -> tuple[int, int]:
@@ -348,15 +371,33 @@ def test_manifest_is_valid(path, crds):
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_ray_version_matches_pyproject(path):
-    ray = pinned_ray_version()
-    for doc in load_docs(path):
+    check_ray_version(path.name, load_docs(path), pinned_ray_version())
+
+
+@pytest.mark.parametrize("which", ["oldest", "newest"])
+def test_manifests_rendered_for_every_supported_ray_are_valid(which, crds, tmp_path):
+    """k8s/render.py with the oldest supported Ray (pyproject's lower bound) and the image's: every
+    rayVersion and image tag follows the one argument, and the manifests stay valid."""
+    version = ray_range()[0] if which == "oldest" else image_ray_version()
+    assert render.main(["--ray-version", version, "--out", str(tmp_path)]) == 0
+    for path in MANIFESTS:
+        docs = load_docs(tmp_path / path.name)
+        check_ray_version(path.name, docs, version)
+        for doc in docs:
+            assert problems(doc, crds) == [], path.name
+        assert render.render(path.read_text(), pinned_ray_version()) == path.read_text(), \
+            f"{path.name} is not the rendering for the Dockerfile's RAY_VERSION: run k8s/render.py --out k8s"
+
+
+def check_ray_version(name: str, docs: list, ray: str) -> None:
+    for doc in docs:
         for cluster in cluster_specs(doc):
             assert str(cluster.get("rayVersion")) == ray, \
-                f"{path.name}: rayVersion {cluster.get('rayVersion')!r} != {ray} pinned in pyproject.toml"
-            for name, group in ray_groups(cluster):
+                f"{name}: rayVersion {cluster.get('rayVersion')!r} != {ray} (k8s/Dockerfile RAY_VERSION)"
+            for group_name, group in ray_groups(cluster):
                 image = ray_container(group).get("image", "")
                 assert has_version(image_tag(image), ray), \
-                    f"{path.name} group {name}: image {image!r} has no tag with Ray {ray} (pyproject.toml)"
+                    f"{name} group {group_name}: image {image!r} has no tag with Ray {ray} (k8s/Dockerfile RAY_VERSION)"
 
 
 def test_one_image_for_all_manifests():
