@@ -9,7 +9,7 @@ CONFIG ?= configs/demo.toml
 # public API on a local Ray, the built-in job, and `ray job submit` against a real head.
 OLDEST_RAY   ?= 2.52.1
 OLDEST_VENV  ?= .venv-ray-$(OLDEST_RAY)
-OLDEST_TESTS ?= tests/test_integration.py tests/test_jobs.py
+OLDEST_TESTS ?= tests/test_ray_versions.py tests/test_integration.py tests/test_jobs.py
 
 .PHONY: setup demo test test-oldest-ray bench k8s clean
 

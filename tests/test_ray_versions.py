@@ -1,0 +1,38 @@
+"""Ray internals are optional: a missing one is skipped, said once under --debug, never a traceback."""
+
+import pytest
+
+from pipeline import runtime
+
+
+def _moved():
+    from ray.data._internal import no_such_module  # noqa: F401 - an internal that moved
+
+
+@pytest.mark.parametrize("debug", [True, False])
+def test_a_missing_internal_is_skipped_and_said_once_with_debug(debug, monkeypatch, capsys):
+    monkeypatch.setenv("PIPELINE_DEBUG", "1" if debug else "0")
+    monkeypatch.setattr(runtime, "_SKIPPED", set())
+    assert runtime.optional("a speed-up", _moved) is None
+    assert runtime.optional("a speed-up", _moved) is None
+    out = capsys.readouterr()
+    lines = [line for line in out.out.splitlines() if "a speed-up" in line]
+    assert out.err == "" and "Traceback" not in out.out
+    assert len(lines) == (1 if debug else 0), out.out
+    if debug:
+        assert lines[0].startswith("[debug] Ray ") and "skipped (ImportError" in lines[0]
+    assert runtime.optional("works", lambda x: x + 1, 1) == 2
+
+
+def test_the_installed_ray_is_in_the_declared_range():
+    import re
+    import tomllib
+    from pathlib import Path
+
+    import ray
+
+    deps = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    (lo, hi), = [re.search(r">=([\d.]+),<([\d.]+)", d).groups() for d in deps if d.startswith("ray[")]
+    key = lambda v: tuple(int(x) for x in v.split("."))  # noqa: E731
+    assert key(lo) <= key(ray.__version__) < key(hi)
+    assert runtime.ray_at_least(lo) and not runtime.ray_at_least(hi)
