@@ -97,6 +97,8 @@ class ColumnTransform(_Section):
 
     columns: tuple[str, ...] = Field((), description="the group's columns (empty: the section's own name is the column)")
     clip: tuple[float, float] | None = Field(None, description="numeric: [low, high] bounds applied first (inf allowed)")
+    clip_quantiles: tuple[float, float] | None = Field(
+        None, description="numeric: [low, high] quantiles (0 to 1), fitted in the same pass, as the clip bounds")
     log1p: bool | None = Field(None, description="numeric: log(1 + x) after clipping, values below 0 clipped to 0 first")
     scale: Literal["standardize", "minmax", "bucketize", "none"] | None = Field(
         None, description="numeric: the fitted scaler (default standardize)")

@@ -275,6 +275,7 @@ class FittedPreprocessor:
     boundaries: tuple[tuple[float, ...], ...] = ()
     categorical_ops: tuple[CategoricalOp, ...] = ()
     function: str = ""  # preprocess.function, run on the input before anything else (serving too)
+    clips: tuple[tuple[float, ...], ...] = ()  # per feature slot: clip_quantiles' fitted (low, high); empty: none
 
     def __post_init__(self):
         if not all(isinstance(v, Vocabulary) for v in self.vocab):
@@ -315,7 +316,8 @@ class FittedPreprocessor:
         fills = self.fills or (0.0,) * len(self.mean)
         bounds = self.boundaries or ((),) * len(self.mean)
         op = numeric_ops(self)[i]
-        return [FittedNumeric(self.mean[j], self.std[j], fills[j], bounds[j], op.scale == "bucketize")
+        clips = self.clips or ((),) * len(self.mean)
+        return [FittedNumeric(self.mean[j], self.std[j], fills[j], bounds[j], op.scale == "bucketize", clips[j])
                 for j in range(at, at + k)]
 
     @property
@@ -396,6 +398,7 @@ class FittedPreprocessor:
             vocab=(*vocab, *(Vocabulary() for _ in cols.crosses)), targets=tuple(targets), weight=cols.weight, stats=stats,
             numeric_ops=() if default else numeric_ops(cols), fills=() if default else tuple(f.fill for f in slots),
             boundaries=() if default else tuple(f.boundaries for f in slots),
+            clips=tuple(f.clip for f in slots) if any(f.clip for f in slots) else (),
             categorical_ops=() if all(op == CategoricalOp() for op in cat_ops) else cat_ops, function=cols.function,
         )
 
@@ -537,6 +540,8 @@ class FittedPreprocessor:
             if not op.is_default:
                 entry.update(transform=_op_dict(op), fill=one([f.fill for f in slots]),
                              boundaries=one([list(f.boundaries) for f in slots]))
+                if op.clip_quantiles:
+                    entry["clip"] = one([list(f.clip) for f in slots])
             numeric.append(entry)
         cats = []
         for c, v, op in zip(self.categorical, self.vocab, categorical_ops(self)):
@@ -593,6 +598,8 @@ class FittedPreprocessor:
             numeric_ops=() if default else ops,
             fills=() if default else tuple(float(x) for e in num for x in slots(e, "fill", 0.0)),
             boundaries=() if default else tuple(tuple(float(b) for b in x) for e in num for x in slots(e, "boundaries", [])),
+            clips=tuple(tuple(float(b) for b in x) for e in num for x in slots(e, "clip", []))
+            if any("clip" in e for e in num) else (),
             categorical_ops=() if all(op == CategoricalOp() for op in cat_ops) else cat_ops,
             function=_importable(d.get("function", "")),
         )

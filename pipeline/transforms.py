@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -40,6 +41,7 @@ class NumericOp:
     buckets: int = 10  # bucketize without boundaries: this many quantile buckets
     fill: str = "mean"
     fill_value: float = 0.0  # fill = "constant"
+    clip_quantiles: tuple[float, ...] = ()  # (low, high): the clip bounds are these quantiles, fitted in the pass
 
     @property
     def is_default(self) -> bool:
@@ -47,7 +49,7 @@ class NumericOp:
 
     @property
     def needs_sketch(self) -> bool:
-        return (self.scale == "bucketize" and not self.boundaries) or self.fill == "median"
+        return (self.scale == "bucketize" and not self.boundaries) or self.fill == "median" or bool(self.clip_quantiles)
 
 
 @dataclass(frozen=True)
@@ -64,13 +66,21 @@ class CategoricalOp:
         return self.encode != "hash"
 
 
-def prescale(op: NumericOp, v: np.ndarray) -> np.ndarray:
-    """The values the scaler sees: clipped, then log1p; NaN where missing (inf included)."""
-    if op.clip_min == -math.inf and op.clip_max == math.inf and not op.log1p:
+def prescale(op: NumericOp, v: np.ndarray, lo=None, hi=None) -> np.ndarray:
+    """The values the scaler sees: clipped, then log1p; NaN where missing (inf included). lo / hi: the
+    fitted clip bounds of clip_quantiles (per slot, broadcast over v's last axis). Without them an op with
+    clip_quantiles gives the values as they are: its statistics are of the raw values, and fit_numeric
+    carries them through the clip and log1p (see there)."""
+    if op.clip_quantiles and lo is None:
+        return v
+    if lo is None:
+        lo, hi = op.clip_min, op.clip_max
+    clipped = op.clip_quantiles or op.clip_min > -math.inf or op.clip_max < math.inf
+    if not clipped and not op.log1p:
         return v
     v = np.where(np.isfinite(v), v, np.nan)
-    if op.clip_min > -math.inf or op.clip_max < math.inf:
-        v = np.clip(v, op.clip_min, op.clip_max)
+    if clipped:
+        v = np.clip(v, lo, hi)
     if op.log1p:
         v = np.log1p(np.maximum(v, 0.0))
     return v
@@ -130,6 +140,14 @@ class Sketch:
         return [float(values[min(int(np.searchsorted(cum, q * (total - 1), side="right")), len(values) - 1)])
                 for q in qs]
 
+    def points(self) -> tuple[np.ndarray, np.ndarray]:
+        """(each bucket's estimate, its count), in value order."""
+        g = self.GAMMA
+        order = [(-2 * g ** k / (1 + g), c) for k, c in sorted(self.neg.items(), reverse=True)] + \
+            ([(0.0, self.zeros)] if self.zeros else []) + \
+            [(2 * g ** k / (1 + g), c) for k, c in sorted(self.pos.items())]
+        return np.array([v for v, _ in order], np.float64), np.array([c for _, c in order], np.float64)
+
     def to_dict(self) -> dict:
         return {"pos": self.pos, "neg": self.neg, "zeros": self.zeros}
 
@@ -154,11 +172,32 @@ class FittedNumeric:
     fill: float
     boundaries: tuple[float, ...] = ()
     bucketize: bool = False
+    clip: tuple[float, ...] = ()  # clip_quantiles: the fitted (low, high) bounds
 
 
 def fit_numeric(op: NumericOp, count: int, mean: float, var: float, lo: float, hi: float,
                 sketch: Sketch | None) -> FittedNumeric:
-    """From one slot's merged statistics (of the prescaled values) to its fitted apply."""
+    """From one slot's merged statistics (of the prescaled values) to its fitted apply.
+
+    clip_quantiles: the statistics are of the raw values; the bounds are the sketch's quantiles, and the
+    scaler's moments, min/max, median and bucket boundaries are those of the clipped (and log1p'd)
+    sketch: each value within the sketch's stated 1% (relative) of the exact one, since clip and log1p
+    keep the order of values."""
+    clip: tuple[float, ...] = ()
+    if op.clip_quantiles:
+        q_lo, q_hi = sketch.quantiles(op.clip_quantiles) if sketch is not None and sketch.count else (0.0, 0.0)
+        clip = (float(q_lo), float(q_hi))
+
+        def through(x):
+            return prescale(op, np.asarray(x, np.float64), q_lo, q_hi)
+
+        values, counts = sketch.points() if sketch is not None else (np.zeros(0), np.zeros(0))
+        if counts.sum():
+            t = through(values)
+            mean = float((t * counts).sum() / counts.sum())
+            var = float((((t - mean) ** 2) * counts).sum() / counts.sum())
+        lo, hi = (float(through(lo)), float(through(hi))) if count else (lo, hi)
+        sketch = _Through(sketch, through) if sketch is not None else None
     if op.fill == "mean":
         fill_in = mean
     elif op.fill == "median":
@@ -167,19 +206,37 @@ def fit_numeric(op: NumericOp, count: int, mean: float, var: float, lo: float, h
         fill_in = 0.0 if op.fill == "zero" else op.fill_value
     if op.scale == "bucketize":
         bounds = op.boundaries or quantile_boundaries(sketch, op.buckets)
-        return FittedNumeric(0.0, 1.0, float(np.searchsorted(bounds, fill_in, side="right")), tuple(bounds), True)
+        return FittedNumeric(0.0, 1.0, float(np.searchsorted(bounds, fill_in, side="right")), tuple(bounds), True, clip)
     if op.scale == "standardize":
         shift, scale = mean, (float(np.sqrt(var)) if var > 0 else 1.0)
     elif op.scale == "minmax":
         shift, scale = (lo, hi - lo) if count and hi > lo else (lo if count else 0.0, 1.0)
     else:
         shift, scale = 0.0, 1.0
-    return FittedNumeric(float(shift), float(scale), float((fill_in - shift) / scale))
+    return FittedNumeric(float(shift), float(scale), float((fill_in - shift) / scale), clip=clip)
+
+
+@dataclass
+class _Through:
+    """A sketch's quantiles carried through a monotone function (clip, then log1p)."""
+
+    sketch: Sketch
+    fn: Any
+
+    @property
+    def count(self) -> int:
+        return self.sketch.count
+
+    def quantiles(self, qs) -> list[float]:
+        return [float(x) for x in self.fn(self.sketch.quantiles(qs))]
 
 
 def apply_numeric(op: NumericOp, fitted: list[FittedNumeric], v: np.ndarray) -> np.ndarray:
     """float64 [n, k] (NaN where missing) -> the transformed values, float64 [n, k]."""
-    v = prescale(op, v)
+    if op.clip_quantiles:
+        v = prescale(op, v, np.asarray([f.clip[0] for f in fitted]), np.asarray([f.clip[1] for f in fitted]))
+    else:
+        v = prescale(op, v)
     if fitted[0].bucketize:
         out = np.empty_like(v)
         for j, f in enumerate(fitted):
@@ -254,7 +311,7 @@ def cross_hash(table: pa.Table, names: tuple[str, ...]) -> tuple[np.ndarray, np.
 # From the config's per-column sections to one op per feature
 
 
-_NUMERIC_KEYS = ("clip", "log1p", "scale", "boundaries", "fill", "fill_value")
+_NUMERIC_KEYS = ("clip", "clip_quantiles", "log1p", "scale", "boundaries", "fill", "fill_value")
 _CATEGORICAL_KEYS = ("encode", "max_size", "min_count")
 
 
@@ -288,9 +345,14 @@ def resolve(pre, numeric: list[str], categorical: list[str], names: set[str]):
     numeric_ops = []
     for col in numeric:
         s = merged(pre.numeric_transform, col, "numeric", _CATEGORICAL_KEYS)
+        if "clip" in s and "clip_quantiles" in s:
+            raise ValueError(f"'{col}' has both clip (bounds given) and clip_quantiles (bounds fitted); keep one")
+        q = tuple(float(x) for x in s.pop("clip_quantiles", ()))
+        if q and not (len(q) == 2 and 0.0 <= q[0] < q[1] <= 1.0):
+            raise ValueError(f"clip_quantiles for '{col}' must be [low, high] with 0 <= low < high <= 1, got {list(q)}")
         lo, hi = s.pop("clip", (-math.inf, math.inf))
-        op = NumericOp(clip_min=float(lo), clip_max=float(hi), **{k: (tuple(v) if k == "boundaries" else v)
-                                                                   for k, v in s.items()})
+        op = NumericOp(clip_min=float(lo), clip_max=float(hi), clip_quantiles=q,
+                       **{k: (tuple(v) if k == "boundaries" else v) for k, v in s.items()})
         if list(op.boundaries) != sorted(set(op.boundaries)):
             raise ValueError(f"bucketize boundaries for '{col}' must be increasing and distinct, got {list(op.boundaries)}")
         numeric_ops.append(op)

@@ -188,6 +188,44 @@ def test_minmax_clip_and_constant_fill():
     assert not math.isnan(f.fills[0])
 
 
+@pytest.mark.parametrize("log1p", [False, True])
+def test_clip_bounds_from_fitted_quantiles_are_within_the_sketchs_error(log1p, tmp_path):
+    """clip_quantiles = [0.01, 0.99]: the bounds are the fitted 1st and 99th percentiles (within the
+    sketch's relative error), the scaler's mean and std those of the clipped values (likewise), and
+    serving and a saved-and-loaded preprocessor give identical arrays (training packs through the same
+    apply)."""
+    rng = np.random.default_rng(3)
+    n = 40_000
+    x = rng.pareto(1.5, n) * 10.0
+    x[rng.random(n) < 0.05] = np.nan
+    table = pa.table({"x": x, "label": rng.integers(0, 2, n)})
+    path = tmp_path / "d"
+    path.mkdir()
+    for i, part in enumerate(np.array_split(np.arange(n), 4)):
+        pq.write_table(table.take(part), path / f"part-{i}.parquet")
+    plan = pipeline.prepare(str(path), label="label", numeric=["x"], categorical=[], world_size=1, val_fraction=0.0,
+                            columns={"x": {"clip_quantiles": [0.01, 0.99], "log1p": log1p}})
+    f = plan.fitted
+    ok = x[np.isfinite(x)]
+    exact = np.quantile(ok, [0.01, 0.99])
+    (lo, hi), = f.clips
+    assert abs(lo - exact[0]) <= 2 * SKETCH_ALPHA * abs(exact[0]) and abs(hi - exact[1]) <= 2 * SKETCH_ALPHA * exact[1]
+    c = np.clip(ok, lo, hi)
+    c = np.log1p(c) if log1p else c
+    assert abs(f.mean[0] - c.mean()) <= 2 * SKETCH_ALPHA * abs(c.mean()) and abs(f.std[0] - c.std()) <= 2 * SKETCH_ALPHA * c.std()
+    served = f.transform(table).x_num
+    want = (c - f.mean[0]) / f.std[0]
+    np.testing.assert_allclose(served[np.isfinite(x), 0], want, rtol=1e-5, atol=1e-6)
+    f.save(str(tmp_path / "p.json"))
+    assert FittedPreprocessor.load(str(tmp_path / "p.json")).transform(table).x_num.tobytes() == served.tobytes()
+    with pytest.raises(DataError, match="both clip .* and clip_quantiles"):
+        pipeline.prepare(str(path), label="label", numeric=["x"], categorical=[], world_size=1,
+                         columns={"x": {"clip": [0, 1], "clip_quantiles": [0.01, 0.99]}})
+    with pytest.raises(DataError, match="0 <= low < high <= 1"):
+        pipeline.prepare(str(path), label="label", numeric=["x"], categorical=[], world_size=1,
+                         columns={"x": {"clip_quantiles": [0.9, 0.1]}})
+
+
 def test_a_users_function_runs_before_the_statistics_and_at_serving(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
     t = ctr_table(2000, seed=5)
