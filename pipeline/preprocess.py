@@ -153,8 +153,13 @@ def partial_stats(table: pa.Table, cols: Columns) -> PartialStats:
         if op.needs_sketch:
             s.sketches[c] = [Sketch.of(x) for x in slots]
     for c, op in zip(cols.categorical, categorical_ops(cols)):
-        s.categories[c] = [count_table(table[c])] if op.counted else []
+        # a hashed column is counted by its 64-bit hashes, for its coverage line only (which rows share a bucket)
+        s.categories[c] = [count_table(table[c]) if op.counted else hash_counts(*fnv1a(table[c]))]
         s.category_nulls[c] = table[c].null_count
+    for x in cols.crosses:
+        h, ok = cross_hash(table, x.cross)
+        s.categories[cross_name(x)] = [hash_counts(h, ok)]
+        s.category_nulls[cross_name(x)] = int((~ok).sum())
     for t in cols.targets:
         if t.counted:
             s.target_counts[t.name] = value_counts(table[t.name])
@@ -203,13 +208,42 @@ class Transformed:
 UNKNOWN_WARN = 0.05  # a categorical column where more of the fit's rows than this map to "unknown" is warned about
 
 
-def coverage(counts: pa.Table, kept: Vocabulary, nulls: int) -> dict[str, Any]:
+def coverage(counts: pa.Table, kept: Vocabulary, nulls: int, op: CategoricalOp | None = None) -> dict[str, Any]:
     """What the vocabulary keeps of a categorical column, over the fit's training rows: distinct values
-    seen, values kept, nulls, and the share of the non-null rows whose value maps to the unknown id."""
+    seen, values kept, nulls, and the share of the non-null rows whose value maps to the unknown id
+    (vocab+hash: to a hashed id, with the share of rows whose bucket another value shares)."""
     rows = pc.sum(counts["n"]).as_py() or 0
-    covered = pc.sum(counts["n"].filter(pc.is_in(counts["v"], value_set=kept.values))).as_py() or 0
-    return {"distinct": counts.num_rows, "kept": len(kept), "nulls": nulls,
-            "unknown_share": (rows - covered) / rows if rows else 0.0}
+    inside = pc.is_in(counts["v"], value_set=kept.values)
+    covered = pc.sum(counts["n"].filter(inside)).as_py() or 0
+    out = {"distinct": counts.num_rows, "kept": len(kept), "nulls": nulls,
+           "unknown_share": (rows - covered) / rows if rows else 0.0}
+    if op is not None and op.encode == "vocab+hash":
+        rest = counts.filter(pc.invert(inside))
+        h, _ = fnv1a(rest["v"])
+        shared = hash_coverage(pa.table({"v": h, "n": rest["n"]}), op.buckets, 0)
+        out.update(unknown_share=0.0, hashed_share=(rows - covered) / rows if rows else 0.0, hashed_into=op.buckets,
+                   shared_bucket_share=shared["shared_bucket_share"] * (rows - covered) / rows if rows else 0.0)
+    return out
+
+
+def hash_counts(h: np.ndarray, valid: np.ndarray) -> pa.Table:
+    """Rows per distinct 64-bit hash {v: uint64, n}: how a hashed column is counted."""
+    values, n = np.unique(h[valid], return_counts=True)
+    return pa.table({"v": pa.array(values, pa.uint64()), "n": pa.array(n, pa.int64())})
+
+
+def hash_coverage(counts: pa.Table, buckets: int, nulls: int) -> dict[str, Any]:
+    """A hashed column over the fit's rows: distinct values (by their 64-bit hash), buckets, and the share
+    of the non-null rows whose bucket holds two or more of the distinct values (a collision)."""
+    if not counts.num_rows:
+        return {"hashed_into": buckets, "distinct": 0, "nulls": nulls, "shared_bucket_share": 0.0}
+    h = counts["v"].to_numpy().astype(np.uint64)
+    n = counts["n"].to_numpy()
+    bucket = h % np.uint64(buckets)
+    ids, inverse, per = np.unique(bucket, return_inverse=True, return_counts=True)
+    shared = per[inverse] >= 2
+    return {"hashed_into": buckets, "distinct": int(len(h)), "nulls": nulls,
+            "shared_bucket_share": float(n[shared].sum() / n.sum())}
 
 
 def coverage_lines(fitted: "FittedPreprocessor", max_size: int, min_count: int) -> list[str]:
@@ -218,11 +252,24 @@ def coverage_lines(fitted: "FittedPreprocessor", max_size: int, min_count: int) 
     cats = fitted.stats.get("categorical", {})
     if not cats:
         return []
-    out = ["[fit] vocabulary coverage: " + "; ".join(
-        f"'{c}' {v['kept']:,} of {v['distinct']:,} values kept, {100 * v['unknown_share']:.1f}% of rows unknown"
-        for c, v in cats.items() if "kept" in v)]
+    def said(v: dict) -> str:
+        if "kept" not in v:
+            return (f"{v.get('distinct', 0):,} values hashed into {v['hashed_into']:,} buckets, "
+                    f"{100 * v.get('shared_bucket_share', 0.0):.1f}% of rows share a bucket")
+        out = f"{v['kept']:,} of {v['distinct']:,} values kept, {100 * v['unknown_share']:.1f}% of rows unknown"
+        if "hashed_share" in v:
+            out += (f", {100 * v['hashed_share']:.1f}% hashed into {v['hashed_into']:,} buckets "
+                    f"({100 * v['shared_bucket_share']:.1f}% of rows share a bucket)")
+        return out
+
+    out = ["[fit] vocabulary coverage: " + "; ".join(f"'{c}' {said(v)}" for c, v in cats.items())]
     ops = dict(zip(fitted.categorical, categorical_ops(fitted)))
     for c, v in cats.items():
+        if v.get("shared_bucket_share", 0.0) > UNKNOWN_WARN:
+            out.append(f"[warning] '{c}': {100 * v['shared_bucket_share']:.1f}% of the fit's rows share a hash bucket "
+                       f"with another value ({v.get('distinct', 0):,} distinct values hashed into {v['hashed_into']:,} "
+                       f"buckets): the model cannot tell those values apart. Raise its buckets (preprocess.columns, or "
+                       f"preprocess.crosses for a cross)")
         if v.get("unknown_share", 0.0) > UNKNOWN_WARN:
             op = ops[c]  # the column's own max_size / min_count (preprocess.columns) win over the defaults
             cap, least = op.max_size or max_size, op.min_count or min_count
@@ -380,9 +427,12 @@ class FittedPreprocessor:
             "numeric": {c: {"count": sum(n.count for n in s.numeric[c]), "null_rows": s.null_rows.get(c, 0),
                             "min": min((n.min for n in s.numeric[c] if n.count), default=None),
                             "max": max((n.max for n in s.numeric[c] if n.count), default=None)} for c in cols.numeric},
-            "categorical": {c: coverage(cat_counts[c], v, s.category_nulls[c]) if op.counted else
-                            {"hashed_into": op.buckets, "nulls": s.category_nulls[c]}
-                            for c, v, op in zip(cols.categorical, vocab, categorical_ops(cols))},
+            "categorical": {**{c: coverage(cat_counts[c], v, s.category_nulls[c], op) if op.counted else
+                                hash_coverage(s.counts(c), op.buckets, s.category_nulls[c])
+                                for c, v, op in zip(cols.categorical, vocab, categorical_ops(cols))},
+                            **{cross_name(x): hash_coverage(s.counts(cross_name(x)), x.buckets,
+                                                            s.category_nulls.get(cross_name(x), 0))
+                               for x in cols.crosses}},
             "targets": {t.name: dict(sorted(s.target_counts[t.name].items())) if t.name in s.target_counts else
                         {"mean": s.target_moments[t.name].mean, "std": float(np.sqrt(s.target_moments[t.name].var)),
                          "min": s.target_moments[t.name].min, "max": s.target_moments[t.name].max}

@@ -135,7 +135,29 @@ def test_categorical_encodings_and_crosses(fitted_recipe):
     assert x[:, 1].tolist() == [1 + fnv1a_reference(v) % 64 for v in t["C2"].to_pylist()]
     assert x[:, 2].tolist() == [0 if a is None else 1 + fnv1a_reference(f"{a}\x1f{b}") % 128
                                 for a, b in zip(c1, t["C2"].to_pylist())]
-    assert f.stats["categorical"]["C2"] == {"hashed_into": 64, "nulls": 0}
+    # coverage of hashed ids: the share of rows whose bucket holds two or more distinct values
+    def shared(values, buckets):
+        present = [v for v in values if v is not None]
+        per = {}
+        for v in set(present):
+            per.setdefault(fnv1a_reference(v) % buckets, set()).add(v)
+        return sum(len(per[fnv1a_reference(v) % buckets]) >= 2 for v in present) / len(present)
+
+    c2 = t["C2"].to_pylist()
+    assert f.stats["categorical"]["C2"] == {"hashed_into": 64, "nulls": 0, "distinct": len(set(c2)),
+                                            "shared_bucket_share": pytest.approx(shared(c2, 64))}
+    cross = [None if a is None else f"{a}\x1f{b}" for a, b in zip(c1, c2)]
+    assert f.stats["categorical"]["C1*C2"]["shared_bucket_share"] == pytest.approx(shared(cross, 128))
+    rest = [v for v in c1 if v is not None and v not in ids]
+    cov = f.stats["categorical"]["C1"]
+    assert cov["unknown_share"] == 0.0 and cov["hashed_share"] == pytest.approx(len(rest) / sum(counts.values()))
+    assert cov["shared_bucket_share"] == pytest.approx(shared(rest, 32) * len(rest) / sum(counts.values()))
+    from pipeline.preprocess import coverage_lines
+
+    lines = coverage_lines(f, 1000, 1)
+    assert f"'C2' {len(set(c2)):,} values hashed into 64 buckets" in lines[0]
+    warned = [line for line in lines if line.startswith("[warning] 'C2'")]
+    assert len(warned) == (shared(c2, 64) > 0.05) and all("Raise its buckets" in w for w in warned)
 
 
 def test_training_serving_and_a_saved_preprocessor_give_identical_arrays(tmp_path):
