@@ -240,7 +240,7 @@ def hash_coverage(counts: pa.Table, buckets: int, nulls: int) -> dict[str, Any]:
     h = counts["v"].to_numpy().astype(np.uint64)
     n = counts["n"].to_numpy()
     bucket = h % np.uint64(buckets)
-    ids, inverse, per = np.unique(bucket, return_inverse=True, return_counts=True)
+    _, inverse, per = np.unique(bucket, return_inverse=True, return_counts=True)
     shared = per[inverse] >= 2
     return {"hashed_into": buckets, "distinct": int(len(h)), "nulls": nulls,
             "shared_bucket_share": float(n[shared].sum() / n.sum())}

@@ -128,15 +128,11 @@ class Sketch:
 
     def quantiles(self, qs) -> list[float]:
         """The values at ranks q * (count - 1), each within SKETCH_ALPHA (relative) of the true one."""
-        g = self.GAMMA
-        order = [(-2 * g ** k / (1 + g), c) for k, c in sorted(self.neg.items(), reverse=True)] + \
-            ([(0.0, self.zeros)] if self.zeros else []) + \
-            [(2 * g ** k / (1 + g), c) for k, c in sorted(self.pos.items())]
         total = self.count
         if not total:
             return [0.0 for _ in qs]
-        values = np.array([v for v, _ in order])
-        cum = np.cumsum([c for _, c in order])
+        values, counts = self.points()
+        cum = np.cumsum(counts)
         return [float(values[min(int(np.searchsorted(cum, q * (total - 1), side="right")), len(values) - 1)])
                 for q in qs]
 
