@@ -61,9 +61,7 @@ class IngestPlan:
 
     @property
     def spec(self) -> ReadSpec:
-        c = self.config
-        return ReadSpec(self.source.uri, self.source.columns, c.quality.on_bad_file, c.quality.on_bad_value,
-                        c.data.val_fraction, c.data.val_seed)
+        return read_spec(self.config, self.source)
 
     @property
     def global_shuffle(self) -> bool:
@@ -149,6 +147,11 @@ class IngestPlan:
 
 
 _FIT_FORMAT = "pipeline.Fit/1"
+
+
+def read_spec(cfg: Config, src: Source) -> ReadSpec:
+    return ReadSpec(src.uri, src.columns, cfg.quality.on_bad_file, cfg.quality.on_bad_value, cfg.data.val_fraction,
+                    cfg.data.val_seed, src.table.schema if src.table is not None else None)
 
 
 def _fit_settings(cfg: Config) -> dict[str, Any]:
@@ -275,8 +278,7 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
     world = world_size or _default_world()
     t0 = time.perf_counter()
     src = agreed_version(cfg, inspect(cfg))
-    spec = ReadSpec(src.uri, src.columns, cfg.quality.on_bad_file, cfg.quality.on_bad_value, cfg.data.val_fraction,
-                    cfg.data.val_seed)
+    spec = read_spec(cfg, src)
     on_ray = _fit_on_ray(cfg.run.fit_on) if use_ray is None else use_ray
     if on_ray:
         from . import ray_side as side

@@ -16,9 +16,10 @@ import contextlib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 from urllib.parse import unquote
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -46,8 +47,28 @@ class Fragment:
     row_start: int
     num_rows: int
     file_row_start: int = 0
-    partition: tuple[tuple[str, str | None], ...] = ()  # Spark/Hive key=value directories above the file
-    renames: tuple[tuple[str, str], ...] = ()  # (name in the file, name in the table): Iceberg renames
+    partition: tuple[tuple[str, Any], ...] = ()  # Spark/Hive key=value directories (text), or a table's values
+    renames: tuple[tuple[str, str], ...] = ()  # a table's file: (name in the file, the table's column), every one
+    deleted: bytes = b""  # positions (int64) in this row group of rows the table has deleted
+
+    @property
+    def live_rows(self) -> int:
+        """The rows of the table in this row group: its rows less those the table deleted."""
+        return self.num_rows - len(self.deleted) // 8
+
+    def keep(self) -> np.ndarray | None:
+        """The row group's keep-mask, or None when the table deleted none of its rows."""
+        if not self.deleted:
+            return None
+        mask = np.ones(self.num_rows, dtype=bool)
+        mask[np.frombuffer(self.deleted, dtype=np.int64)] = False
+        return mask
+
+    def row_ids(self) -> np.ndarray:
+        """Global ids of the rows it yields (a deleted row's id is never used)."""
+        ids = np.arange(self.row_start, self.row_start + self.num_rows)
+        keep = self.keep()
+        return ids if keep is None else ids[keep]
 
 
 @dataclass(frozen=True)
@@ -60,7 +81,14 @@ class Shard:
     partition: tuple[tuple[str, str | None], ...] = ()
     mtime_ns: int | None = None
     footer_bytes: int = 0
-    renames: tuple[tuple[str, str], ...] = ()  # (name in the file, name in the table); schema has the latter
+    renames: tuple[tuple[str, str], ...] = ()  # a table's file: (name in the file, the table's column); schema is
+    # then the table's, and a table column no pair names reads as null
+    deleted: bytes = b""  # positions (int64) of the file's rows the table has deleted
+
+    @property
+    def rows(self) -> int:
+        """The rows of the table in this file (its rows less those the table deleted)."""
+        return self.num_rows - len(self.deleted) // 8
 
     @property
     def fingerprint(self) -> list:
@@ -126,7 +154,7 @@ class Source:
 
     @property
     def num_rows(self) -> int:
-        return sum(s.num_rows for s in self.shards)
+        return sum(s.rows for s in self.shards)
 
     @property
     def fingerprint(self) -> list:
@@ -172,9 +200,10 @@ def partition_of(path: str, root: str) -> tuple[tuple[str, str | None], ...]:
 
 
 def _footer(fs, path: str, root: str, listed: tables.TableFile | None = None,
-            field_names: tuple[tuple[int, str], ...] = ()) -> Shard | BadFile:
-    """The file's footer as a Shard, or why it cannot be used. listed: the file as a table's version
-    lists it (its partition values and row count come from the table's metadata, not the path)."""
+            snap: tables.Snapshot | None = None) -> Shard | BadFile:
+    """The file's footer as a Shard, or why it cannot be used. listed: the file as the table `snap`
+    lists it (its partition values, deletes and row count come from the table's metadata, and its
+    columns are the table's, found in the file by the table's ids or names)."""
     try:
         with fs.open_input_file(path) as f:
             size = f.size()
@@ -194,25 +223,27 @@ def _footer(fs, path: str, root: str, listed: tables.TableFile | None = None,
         if listed is None:
             raise
         return BadFile(path, "listed by the table's version but missing (removed by a vacuum, or by hand, while that "
-                             "version is still read?)", listed.rows)
+                             "version is still read?)", None if listed.rows is None else listed.rows - listed.deleted_rows)
     except (OSError, pa.ArrowException) as e:
         if "encrypt" in str(e).lower() or "decrypt" in str(e).lower():
             return BadFile(path, f"encrypted Parquet file ({e}): {_NEEDS_KEYS}", None)
         return BadFile(path, f"unreadable Parquet footer ({e})", None)
     if listed is not None and listed.rows is not None and listed.rows != md.num_rows:
         return BadFile(path, f"holds {md.num_rows} rows but the table records {listed.rows} for it (the file was "
-                             f"replaced behind the table's back)", listed.rows)
+                             f"replaced behind the table's back)", listed.rows - listed.deleted_rows)
     groups = tuple(md.row_group(g).num_rows for g in range(md.num_row_groups))
     try:
         mtime = fs.get_file_info(path).mtime_ns
     except (OSError, pa.ArrowException):
         mtime = None
-    partition = listed.partition if listed is not None else partition_of(path, root)
-    renames = tables.renamed(schema, field_names)
-    if renames:
-        now = dict(renames)
-        schema = pa.schema([f.with_name(now.get(f.name, f.name)) for f in schema], metadata=schema.metadata)
-    return Shard(path, md.num_rows, groups, size, schema, partition, mtime, md.serialized_size, renames)
+    if listed is None or snap is None:
+        return Shard(path, md.num_rows, groups, size, schema, partition_of(path, root), mtime, md.serialized_size)
+    try:
+        renames = tables.file_columns(snap, schema)
+    except DataError as e:
+        return BadFile(path, str(e), md.num_rows - listed.deleted_rows)
+    return Shard(path, md.num_rows, groups, size, snap.schema, listed.partition, mtime, md.serialized_size, renames,
+                 listed.deleted)
 
 
 def column_types(shard: Shard, function: str = "") -> dict[str, str]:
@@ -313,11 +344,11 @@ def _vector_dim(fs, shard: Shard, col: str) -> int:
     t = shard.schema.field(col).type
     if pa.types.is_fixed_size_list(t):
         return t.list_size
-    name = {v: k for k, v in shard.renames}.get(col, col)  # its name in the file
+    name = in_file(shard, [col])
     with fs.open_input_file(shard.path) as f:
         pf = pq.ParquetFile(f)
-        for g in range(pf.metadata.num_row_groups):
-            dim = common_length(pf.read_row_group(g, columns=[name])[name])
+        for g in range(pf.metadata.num_row_groups if name else 0):
+            dim = common_length(pf.read_row_group(g, columns=name)[0])
             if dim is not None:
                 return dim
     raise DataError(f"numeric column '{col}' in '{shard.path}' is a list column with no non-null value, so its "
@@ -345,8 +376,7 @@ def inspect(cfg: Config, uri: str | None = None) -> Source:
         listed, paths = {}, list_shards(uri)
     fs, root = storage.filesystem(uri)
     with ThreadPoolExecutor(max_workers=min(32, len(paths))) as pool:
-        names = table.field_names if table is not None else ()
-        found = list(pool.map(lambda p: _footer(fs, p, root, listed.get(p), names), paths))
+        found = list(pool.map(lambda p: _footer(fs, p, root, listed.get(p), table), paths))
     good = [s for s in found if isinstance(s, Shard)]
     bad = [b for b in found if isinstance(b, BadFile)]
     types = {s.path: column_types(s, cfg.preprocess.function) for s in good}
@@ -369,7 +399,7 @@ def inspect(cfg: Config, uri: str | None = None) -> Source:
         if problem is None:
             shards.append(s)
         else:
-            bad.append(BadFile(s.path, problem, s.num_rows))
+            bad.append(BadFile(s.path, problem, s.rows))
     bad.sort(key=lambda b: b.path)
     if bad and cfg.quality.on_bad_file == "fail":
         first = bad[0]
@@ -398,12 +428,14 @@ def inspect(cfg: Config, uri: str | None = None) -> Source:
     fragments = []
     offset = 0
     for s in shards:
-        in_file = 0
+        at = 0
+        deleted = np.frombuffer(s.deleted, dtype=np.int64)
         for g, n in enumerate(s.row_group_rows):
-            if n:
-                fragments.append(Fragment(s.path, g, offset, n, in_file, s.partition, s.renames))
+            gone = deleted[(deleted >= at) & (deleted < at + n)] - at
+            if n > len(gone):  # a row group the table deleted whole yields nothing: no fragment
+                fragments.append(Fragment(s.path, g, offset, n, at, s.partition, s.renames, gone.tobytes()))
             offset += n
-            in_file += n
+            at += n
     return Source(uri, tuple(shards), tuple(fragments), tuple(bad), columns,
                   tuple(skipped) if inferred else None, table)
 
@@ -485,34 +517,86 @@ def deep_check(uri: str, shard: Shard) -> Iterator[tuple[int, str | None]]:
                 yield g, f"cannot be decoded ({type(e).__name__}: {e})"
 
 
-def read_fragment(uri: str, frag: Fragment, columns: list[str] | None, pf: pq.ParquetFile | None = None) -> pa.Table:
+def in_file(part: Shard | Fragment, columns) -> list[str]:
+    """The names in the file of those of `columns` it holds (a table's file may name them otherwise, or
+    lack a column the table added later)."""
+    if not part.renames:
+        return list(columns)
+    names = {t: f for f, t in part.renames}
+    return [names[c] for c in columns if c in names]
+
+
+def read_fragment(uri: str, frag: Fragment, columns: list[str] | None, pf: pq.ParquetFile | None = None,
+                  schema: pa.Schema | None = None) -> pa.Table:
     """Read one row group, only the named columns (column pushdown; None: every column), with page
     checksums verified where the writer stored them, from `pf` (see opened) or the file; partition keys
-    named in `columns` come from the table's metadata or the path."""
+    named in `columns` come from the table's metadata or the path. schema: a table's (source.Source.table):
+    the columns are then the table's, found in the file by frag.renames, typed as the table says, null
+    where the file predates them; and the rows the table deleted are left out."""
     if pf is None:
         with opened(uri, frag.path) as pf:
             if pf is None:  # open it again without the guard, for the error itself
                 fs, _ = storage.filesystem(uri)
                 with fs.open_input_file(frag.path) as f:
                     pq.ParquetFile(f)
-            return read_fragment(uri, frag, columns, pf)
+            return read_fragment(uri, frag, columns, pf, schema)
     part = dict(frag.partition)
-    to_table = dict(frag.renames)
-    in_file = {v: k for k, v in frag.renames}  # a renamed column is read by its name in the file
     file_names = pf.schema_arrow.names
-    names = {to_table.get(n, n) for n in file_names}
+    to_table = dict(frag.renames) if schema is not None else {n: n for n in file_names}
+    from_table = {t: f for f, t in to_table.items()}
     if columns is None:
-        columns = list(dict.fromkeys([*(to_table.get(n, n) for n in file_names), *part]))
-    table = pf.read_row_group(frag.row_group, columns=[in_file.get(c, c) for c in columns if c in names])
+        columns = list(schema.names) if schema is not None else list(dict.fromkeys([*file_names, *part]))
+    table = pf.read_row_group(frag.row_group, columns=[from_table[c] for c in columns if c in from_table])
     for col in table.columns:
         if pa.types.is_dictionary(col.type):  # a damaged page can decode to indices past its dictionary
             col.validate(full=True)
     problem = statistics_problem(pf.metadata.row_group(frag.row_group), table)
     if problem:
         raise DamagedRowGroup(f"decoded values disagree with the footer's statistics ({problem})")
-    if to_table:
-        table = table.rename_columns([to_table.get(n, n) for n in table.column_names])
+    keep = frag.keep()
+    if keep is not None:
+        table = table.filter(pa.array(keep))
+    table = table.rename_columns([to_table[n] for n in table.column_names])
+    if schema is None:
+        for c in columns:
+            if c not in table.column_names and c in part:
+                table = table.append_column(c, pa.array([part[c]] * table.num_rows, type=pa.string()))
+        return table.select(columns)
+    out = {}
     for c in columns:
-        if c not in names and c in part:
-            table = table.append_column(c, pa.array([part[c]] * table.num_rows, type=pa.string()))
-    return table.select(columns)
+        want = schema.field(c).type
+        if c in table.column_names:
+            out[c] = conform(table[c], want, c, frag.path)
+        elif c in part:
+            out[c] = constant(part[c], want, table.num_rows)
+        else:  # added to the table after this file was written
+            out[c] = pa.nulls(table.num_rows, want)
+    return pa.table(out) if out else table.select([])
+
+
+def constant(value: Any, type_: pa.DataType, n: int) -> pa.Array:
+    """`value` n times, as `type_` (a table's partition value)."""
+    if value is None:
+        return pa.nulls(n, type_)
+    try:
+        scalar = pa.scalar(value, type=type_)
+    except (pa.ArrowException, TypeError, ValueError):
+        scalar = pa.scalar(value).cast(type_)  # e.g. an Iceberg date partition held as its day number
+    return pa.repeat(scalar, n)
+
+
+_NUMBERS = {"bool", "int", "float", "temporal"}
+
+
+def conform(col: pa.ChunkedArray, want: pa.DataType, name: str, path: str) -> pa.ChunkedArray:
+    """A file's column as the table's type, where the table widened it (int to long, float to double,
+    decimal precision, a timestamp's unit); text, binary and lists are kept in the layout read (a
+    dictionary, a view), which every reader here takes as the same values."""
+    have = col.type
+    if have == want or not (family(have) in _NUMBERS and family(want) in _NUMBERS):
+        return col
+    try:  # a timestamp read finer than the table's unit (INT96 as ns): the table's unit, as its reader does
+        return col.cast(want, safe=not (pa.types.is_timestamp(have) and pa.types.is_timestamp(want)))
+    except pa.ArrowException as e:
+        raise DataError(f"column '{name}' in '{path}' is {have}, which cannot be read as the table's type {want} "
+                        f"({e}); rewrite the file with the table's type") from None

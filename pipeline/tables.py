@@ -6,9 +6,18 @@ no longer holds. Here the format's own library (deltalake, pyiceberg) names the 
 the table, with their row counts and partition values; source.inspect reads exactly those files, and
 the plan carries them, so every rank reads that one version however the table moves on during the run.
 
-What the project does not apply (deletion vectors, Iceberg delete files, Delta column mapping, data
-files that are not Parquet, a reader feature it does not know) is refused in one paragraph naming it:
-reading the files without it would bring deleted rows back or misname columns, silently.
+The table, not the file, says what a row is:
+- deletes: Delta deletion vectors and Iceberg position deletes (Parquet delete files, v3 deletion
+  vectors in Puffin files), read through the format's library, become each file's deleted positions,
+  applied to every row group as it is read (a deleted row is not a row of the table);
+- columns: the table's schema names and types them. A file's columns are found by the table's column
+  ids (Iceberg field ids; Delta column mapping's physical names or ids), or through Iceberg's name
+  mapping for files written without ids; a column the table has and an older file lacks reads as null;
+  an integer or float the table widened reads as the table's type;
+- partition values are typed as the table's schema says.
+What the project cannot apply (Iceberg equality deletes, data files that are not Parquet, a reader
+feature it does not know) is refused in one paragraph naming it: reading the files without it would
+bring deleted rows back or misname columns, silently.
 """
 
 from __future__ import annotations
@@ -16,8 +25,10 @@ from __future__ import annotations
 import datetime as dt
 import re
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import unquote
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
@@ -26,18 +37,24 @@ from .errors import DataError
 
 _LEVELS_UP = 6  # how far above data.path a table root is looked for (a partition folder sits a few down)
 
-# Delta reader features whose meaning this reader keeps: the files and partition values deltalake hands
-# over are the whole story (a variant column is a struct of binaries: never a feature, refused by name
-# where the config lists it). deletionVectors and columnMapping are checked table by table below.
-_DELTA_READER_FEATURES = {"timestampNtz", "v2Checkpoint", "vacuumProtocolCheck", "typeWidening", "variantType",
-                          "deletionVectors", "columnMapping"}
+# Delta reader features whose meaning this reader keeps: deltalake lists the files, partition values and
+# deletion vectors, and the table's schema names and types the columns (column mapping, type widening). A
+# variant column is a struct of binaries: never a feature, refused by name where the config lists it.
+_DELTA_READER_FEATURES = {"timestampNtz", "v2Checkpoint", "vacuumProtocolCheck", "typeWidening", "typeWidening-preview",
+                          "variantType", "variantType-preview", "deletionVectors", "columnMapping"}
+_FIELD_ID = b"PARQUET:field_id"
 
 
 @dataclass(frozen=True)
 class TableFile:
     path: str  # inside the table's filesystem (storage.filesystem(Snapshot.root)[0])
     rows: int | None  # the row count the table records for the file (None where it records none)
-    partition: tuple[tuple[str, str | None], ...] = ()  # from the table's metadata, values as text
+    partition: tuple[tuple[str, Any], ...] = ()  # from the table's metadata, typed as its schema says
+    deleted: bytes = b""  # positions (int64, sorted, unique) of the file's rows that the table has deleted
+
+    @property
+    def deleted_rows(self) -> int:
+        return len(self.deleted) // 8
 
 
 @dataclass(frozen=True)
@@ -49,7 +66,10 @@ class Snapshot:
     root: str  # URI of the table's location: its files live on that filesystem
     version: str  # Delta version number, Iceberg snapshot id ("" for an Iceberg table with no snapshot)
     files: tuple[TableFile, ...]
-    field_names: tuple[tuple[int, str], ...] = ()  # Iceberg: field id -> the column's name now (renames)
+    schema: pa.Schema | None = None  # the table's columns, names and types as its own reader returns them
+    ids: tuple[tuple[int, str], ...] = ()  # a file column's field id -> the table's column (Iceberg; Delta id mode)
+    physical: tuple[tuple[str, str], ...] = ()  # a file column's name -> the table's column, for files without
+    # ids (Delta column mapping's physical names; Iceberg's name mapping); () : the table's names themselves
 
     def describe(self) -> str:
         what = "version" if self.format == "delta" else "snapshot"
@@ -165,6 +185,18 @@ def _delta(uri: str, version: str) -> Snapshot:
     refuse = _delta_unsupported(table)
     if refuse:
         raise DataError(f"the Delta table '{uri}' (version {table.version()}) {refuse}")
+    schema = pa.schema(table.schema().to_arrow())
+    config = table.metadata().configuration or {}
+    mode = config.get("delta.columnMapping.mode", "none")
+    physical, ids = (), ()
+    if mode != "none":  # the files name columns by physical names (and ids in id mode), never by the table's
+        meta = [(f.name, f.metadata or {}) for f in schema]
+        physical = tuple((m[b"delta.columnMapping.physicalName"].decode(), n) for n, m in meta
+                         if b"delta.columnMapping.physicalName" in m)
+        if mode == "id":
+            ids = tuple((int(m[b"delta.columnMapping.id"]), n) for n, m in meta if b"delta.columnMapping.id" in m)
+    deleted = _delta_deletion_vectors(uri, table) if "deletionVectors" in set(table.protocol().reader_features or ()) \
+        else {}
     adds = pa.table(table.get_add_actions(flatten=True))
     cols = adds.column_names
     part_cols = [c for c in cols if c.startswith("partition.")]
@@ -172,41 +204,51 @@ def _delta(uri: str, version: str) -> Snapshot:
     for row in adds.select(["path", "num_records", *part_cols]).to_pylist():
         rel = row["path"]
         path = storage.filesystem(rel)[1] if "://" in rel else f"{root}/{unquote(rel)}"
-        part = tuple((c[len("partition."):], None if row[c] is None else _text(row[c])) for c in part_cols)
-        files.append(TableFile(path, row["num_records"], part))
+        part = tuple((c[len("partition."):], row[c]) for c in part_cols)
+        files.append(TableFile(path, row["num_records"], part, deleted.get(path, b"")))
     files.sort(key=lambda f: f.path)
-    return Snapshot("delta", uri, location, str(table.version()), tuple(files))
+    return Snapshot("delta", uri, location, str(table.version()), tuple(files), _plain(schema), ids, physical)
 
 
-def _text(v) -> str:
-    return v.isoformat() if isinstance(v, (dt.date, dt.datetime)) else str(v)
+def _plain(schema: pa.Schema) -> pa.Schema:
+    """The table's schema without the format's field metadata (physical names, ids): names and types."""
+    return pa.schema([f.remove_metadata() for f in schema])
+
+
+def _positions(keep: np.ndarray) -> bytes:
+    return np.flatnonzero(~keep).astype(np.int64).tobytes()
+
+
+def _delta_deletion_vectors(uri: str, table) -> dict[str, bytes]:
+    """The deleted positions of every data file that has a deletion vector, by path, from deltalake's
+    own reading of them (a keep-mask per file)."""
+    try:
+        reader = pa.RecordBatchReader.from_stream(table.deletion_vectors())
+        out = {}
+        for b in reader:
+            lists = b.column("selection_vector")
+            flat = lists.flatten().to_numpy(zero_copy_only=False)
+            offsets = lists.offsets.to_numpy()
+            for i, f in enumerate(b.column("filepath").to_pylist()):
+                path = storage.filesystem(f)[1]
+                out[unquote(path) if f.startswith("file:") else path] = _positions(flat[offsets[i]:offsets[i + 1]])
+        return out
+    except Exception as e:  # noqa: BLE001 - deltalake's own error, said as one paragraph
+        raise DataError(f"the Delta table '{uri}' (version {table.version()}) has deletion vectors that deltalake "
+                        f"cannot read ({type(e).__name__}: {e}); reading its files without them would bring deleted "
+                        f"rows back. Check that the table's deletion vector files are readable, or purge them "
+                        f"(Spark: REORG TABLE ... APPLY (PURGE))") from None
 
 
 def _delta_unsupported(table) -> str | None:
-    """Why the files deltalake lists are not, by themselves, the table's rows; None when they are."""
+    """Why the files, deletion vectors and schema deltalake hands over are not the table's rows; None
+    when they are."""
     features = set(table.protocol().reader_features or ())
     unknown = sorted(features - _DELTA_READER_FEATURES)
     if unknown:
         return (f"uses the reader feature(s) {', '.join(unknown)}, which this pipeline does not apply; reading its "
                 f"files without them could give rows or values the table does not have. Rewrite the table without "
                 f"them, or export its current version to Parquet")
-    mode = (table.metadata().configuration or {}).get("delta.columnMapping.mode", "none")
-    if mode != "none":
-        return (f"uses column mapping (delta.columnMapping.mode = '{mode}'): its Parquet files name columns by "
-                f"physical names that differ from the table's. This pipeline reads files by column name and does "
-                f"not apply the mapping; rewrite the table without column mapping, or export it to Parquet")
-    if "deletionVectors" in features:
-        try:
-            deleted = sum(b.num_rows for b in pa.RecordBatchReader.from_stream(table.deletion_vectors()))
-        except Exception as e:  # noqa: BLE001 - a deletion vector that cannot be read is refused the same way
-            deleted, why = -1, f"{type(e).__name__}: {e}"
-        if deleted:
-            said = "files whose deletion vectors could not be read (" + why + ")" if deleted < 0 else \
-                f"{deleted} data files with deletion vectors"
-            return (f"has {said}: rows deleted by marking them, not by rewriting the file. This pipeline does not "
-                    f"apply deletion vectors, and reading the files without them would bring the deleted rows "
-                    f"back. Purge them (Spark: REORG TABLE ... APPLY (PURGE); or rewrite the table with "
-                    f"delta.enableDeletionVectors = false), then read it again")
     return None
 
 
@@ -239,7 +281,7 @@ def _iceberg_properties() -> dict[str, str]:
 def _iceberg(uri: str, version: str, catalog: str) -> Snapshot:
     what = f"'{uri}' is an Iceberg table" + (f" in catalog '{catalog}'" if catalog else " (it has metadata/*.metadata.json)")
     try:
-        from pyiceberg.manifest import DataFileContent, FileFormat
+        from pyiceberg.manifest import FileFormat
     except ImportError:
         raise _needs("pyiceberg", "iceberg", what) from None
     try:
@@ -274,52 +316,105 @@ def _iceberg(uri: str, version: str, catalog: str) -> Snapshot:
         location = f"file://{location}"
     if snap is None:  # a table created and never written
         return Snapshot("iceberg", uri, location, "", ())
-    files = []
+    schema = table.schemas().get(snap.schema_id, table.schema()) if snap.schema_id is not None else table.schema()
+    files, deletes = [], _IcebergDeletes(uri, snap.snapshot_id, table.io)
     specs = table.specs()
     for task in table.scan(snapshot_id=snap.snapshot_id).plan_files():
         f = task.file
-        if task.delete_files:
-            kinds = sorted({"positional" if d.content == DataFileContent.POSITION_DELETES else "equality"
-                            for d in task.delete_files})
-            raise DataError(f"the Iceberg table '{uri}' (snapshot {snap.snapshot_id}) has {' and '.join(kinds)} delete "
-                            f"files (merge-on-read deletes, e.g. on {f.file_path}), which this pipeline does not apply: "
-                            f"reading the data files without them would bring deleted rows back. Rewrite the affected "
-                            f"files (Spark: CALL system.rewrite_data_files or rewrite_position_delete_files with "
-                            f"delete compaction), or delete with copy-on-write, then read it again")
         if f.file_format != FileFormat.PARQUET:
             raise DataError(f"the Iceberg table '{uri}' has a {f.file_format.name} data file ({f.file_path}); this "
                             f"pipeline reads Parquet data files only. Rewrite the table's files as Parquet")
-        files.append(TableFile(storage.filesystem(f.file_path)[1], f.record_count,
-                               _iceberg_partition(table, specs.get(f.spec_id), f.partition)))
+        path = storage.filesystem(f.file_path)[1]
+        files.append(TableFile(path, f.record_count, _iceberg_partition(schema, specs.get(f.spec_id), f.partition),
+                               deletes.of(f.file_path, task.delete_files)))
     files.sort(key=lambda t: t.path)
-    schema = table.schemas().get(snap.schema_id, table.schema()) if snap.schema_id is not None else table.schema()
-    names = tuple((f.field_id, f.name) for f in schema.fields)
-    return Snapshot("iceberg", uri, location, str(snap.snapshot_id), tuple(files), names)
+    arrow = _plain(schema.as_arrow())
+    ids = tuple((f.field_id, f.name) for f in schema.fields)
+    mapping = table.metadata.name_mapping()  # schema.name-mapping.default: for files written without ids
+    physical = ()
+    if mapping is not None:
+        now = dict(ids)
+        physical = tuple((name, now[m.field_id]) for m in mapping for name in m.names if m.field_id in now)
+    return Snapshot("iceberg", uri, location, str(snap.snapshot_id), tuple(files), arrow, ids, physical)
 
 
-def renamed(schema: pa.Schema, field_names: tuple[tuple[int, str], ...]) -> tuple[tuple[str, str], ...]:
-    """(name in the file, name in the table) for each column an Iceberg table renamed after the file was
-    written: Iceberg knows columns by field id (the Parquet field_id), not by name."""
-    now = dict(field_names)
-    out = []
-    for f in schema:
-        fid = (f.metadata or {}).get(b"PARQUET:field_id")
-        if fid is not None and int(fid) in now and now[int(fid)] != f.name:
-            out.append((f.name, now[int(fid)]))
-    return tuple(out)
+class _IcebergDeletes:
+    """Merge-on-read deletes of one snapshot: each position delete file (Parquet, or a v3 deletion vector
+    in a Puffin file) read once, through pyiceberg's own reader, and kept by the data file it names.
+    Equality deletes are refused: they delete by value, and the values are not applied here."""
+
+    def __init__(self, uri: str, snapshot_id: int, io):
+        self.uri, self.snapshot_id, self.io = uri, snapshot_id, io
+        self.read: dict[str, dict[str, pa.ChunkedArray]] = {}
+
+    def of(self, data_file: str, delete_files) -> bytes:
+        if not delete_files:
+            return b""
+        from pyiceberg.manifest import DataFileContent
+
+        equality = [d.file_path for d in delete_files if d.content == DataFileContent.EQUALITY_DELETES]
+        if equality:
+            raise DataError(f"the Iceberg table '{self.uri}' (snapshot {self.snapshot_id}) has equality delete files "
+                            f"(merge-on-read deletes by value, e.g. {equality[0]} on {data_file}), which this pipeline "
+                            f"does not apply: reading the data files without them would bring deleted rows back. "
+                            f"Rewrite the affected files (Spark: CALL system.rewrite_data_files, or "
+                            f"rewrite_position_delete_files), or delete with copy-on-write, then read it again")
+        chunks = []
+        for d in delete_files:
+            if d.file_path not in self.read:
+                self.read[d.file_path] = self._read(d)
+            if data_file in self.read[d.file_path]:
+                chunks.append(self.read[d.file_path][data_file])
+        if not chunks:
+            return b""
+        pos = np.unique(np.concatenate([c.to_numpy() for c in chunks]).astype(np.int64))
+        return pos.tobytes()
+
+    def _read(self, delete_file) -> dict[str, pa.ChunkedArray]:
+        try:
+            from pyiceberg.io.pyarrow import _read_deletes  # pyiceberg's own reader of position deletes and DVs
+
+            return _read_deletes(self.io, delete_file)
+        except Exception as e:  # noqa: BLE001 - pyiceberg's errors, as one paragraph
+            raise DataError(f"the Iceberg table '{self.uri}' (snapshot {self.snapshot_id}) has a delete file that "
+                            f"cannot be read ({delete_file.file_path}: {type(e).__name__}: {e}); reading the data "
+                            f"files without it would bring deleted rows back. Check that the file is readable "
+                            f"(pyiceberg {_version('pyiceberg')} reads Parquet position deletes and Puffin deletion "
+                            f"vectors)") from None
 
 
-def _iceberg_partition(table, spec, record) -> tuple[tuple[str, str | None], ...]:
-    """Identity partition values, by their source column's name (a transformed partition, such as
-    day(ts) or bucket(16, id), is derived from a column the file holds)."""
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+def file_columns(snap: Snapshot, schema: pa.Schema) -> tuple[tuple[str, str], ...]:
+    """(name in the file, the table's column) for every column of a data file that is a column of the
+    table now. By field id where the table knows its columns by id and the file carries them (a column
+    renamed after the file was written keeps its id; a column dropped and added again gets a new one),
+    else by the table's physical names or name mapping, else by name. A table column that no pair names
+    is not in the file (added after it was written): it reads as null."""
+    names = set(snap.schema.names) if snap.schema is not None else set()
+    by_id = dict(snap.ids)
+    if by_id and all(_FIELD_ID in (f.metadata or {}) for f in schema):
+        pairs = ((f.name, by_id.get(int(f.metadata[_FIELD_ID]))) for f in schema)
+    else:
+        physical = dict(snap.physical) if snap.physical else {n: n for n in names}
+        pairs = ((f.name, physical.get(f.name)) for f in schema)
+    return tuple((a, b) for a, b in pairs if b is not None and b in names)
+
+
+def _iceberg_partition(schema, spec, record) -> tuple[tuple[str, Any], ...]:
+    """Identity partition values, by their source column's name, typed as the table's schema says (a
+    file imported with add_files may lack the column; a transformed partition, such as day(ts) or
+    bucket(16, id), is derived from a column the file holds)."""
     if spec is None or record is None:
         return ()
     from pyiceberg.transforms import IdentityTransform
 
-    schema, out = table.schema(), []
+    out = []
     for i, field in enumerate(spec.fields):
         if isinstance(field.transform, IdentityTransform):
-            v = record[i]
-            out.append((schema.find_column_name(field.source_id), None if v is None else _text(v)))
+            out.append((schema.find_column_name(field.source_id), record[i]))
     return tuple(out)
-

@@ -19,7 +19,7 @@ from .errors import DataError
 from .plan import Piece, holdout_mask
 from .preprocess import FittedPreprocessor, PartialStats, partial_stats
 from .quality import Accounting, screen
-from .source import DamagedRowGroup, Fragment, Source, opened, read_fragment
+from .source import DamagedRowGroup, Fragment, Source, in_file, opened, read_fragment
 from .transforms import apply_function
 
 ROW_ID = "__row_id"
@@ -35,6 +35,7 @@ class ReadSpec:
     on_bad_value: str = "fill"
     val_fraction: float = 0.0
     val_seed: int = 0
+    schema: pa.Schema | None = None  # a Delta or Iceberg table's columns (source.read_fragment)
 
 
 def read(spec: ReadSpec, frag: Fragment, pf=None) -> pa.Table | dict:
@@ -42,7 +43,7 @@ def read(spec: ReadSpec, frag: Fragment, pf=None) -> pa.Table | dict:
     saying why not. pf: the file, already open (source.opened)."""
     fn = spec.columns.function
     try:
-        table = read_fragment(spec.uri, frag, None if fn else spec.columns.read, pf)
+        table = read_fragment(spec.uri, frag, None if fn else spec.columns.read, pf, spec.schema)
     except (OSError, pa.ArrowException) as e:
         rows = f"rows {frag.file_row_start}-{frag.file_row_start + frag.num_rows - 1}"
         text = str(e).lower()
@@ -57,11 +58,11 @@ def read(spec: ReadSpec, frag: Fragment, pf=None) -> pa.Table | dict:
             raise DataError(f"row group {frag.row_group} ({rows}) of '{frag.path}' {what}: {e}. {why[0].upper()}{why[1:]}, "
                             f"or set quality.on_bad_file = \"quarantine\" to set such row groups aside") from None
         return {"file": frag.path, "row_group": frag.row_group, "row_start": frag.file_row_start,
-                "rows": frag.num_rows, "reason": f"row group {what} ({type(e).__name__}: {e})"
+                "rows": frag.live_rows, "reason": f"row group {what} ({type(e).__name__}: {e})"
                 + (f"; {why}" if what == "is encrypted" else "")}
     if fn:  # the user's function sees every column of the row group, then only what is used is kept
         table = apply_function(fn, table).select(spec.columns.read)
-    return table.append_column(ROW_ID, pa.array(np.arange(frag.row_start, frag.row_start + frag.num_rows)))
+    return table.append_column(ROW_ID, pa.array(frag.row_ids()))
 
 
 def _kept(spec: ReadSpec, frag: Fragment, fitted=None, pf=None) -> tuple[pa.Table | None, Counter, dict | None]:
@@ -83,11 +84,11 @@ def fit_fragment(spec: ReadSpec, frag: Fragment, pf=None) -> tuple:
     try:
         kept, dropped, quarantine = _kept(spec, frag, pf=pf)
         if kept is None:
-            return frag.row_start, frag.num_rows, None, dropped, quarantine, (0, 0)
+            return frag.row_start, frag.live_rows, None, dropped, quarantine, (0, 0)
         val = _is_val(spec, kept)
         n_val = int(val.sum())
         train = kept.filter(pa.array(~val)) if n_val else kept
-        return frag.row_start, frag.num_rows, partial_stats(train, spec.columns), dropped, None, (train.num_rows, n_val)
+        return frag.row_start, frag.live_rows, partial_stats(train, spec.columns), dropped, None, (train.num_rows, n_val)
     except DataError as e:
         # Returned, not raised: Ray would wrap it in layers of task errors and print a traceback.
         return frag.row_start, str(e), e.details
@@ -114,15 +115,15 @@ def by_file(items: list, path_of, rows_of, same=lambda a, b: True) -> list[list]
     return groups
 
 
-def as_dictionary(spec: ReadSpec) -> tuple[str, ...]:
+def as_dictionary(spec: ReadSpec, frag: Fragment) -> list[str]:
     """String categoricals are read as dictionaries (ids and counts per dictionary entry), unless the
-    user's function comes first: it sees the columns as the file holds them."""
-    return () if spec.columns.function else spec.columns.categorical
+    user's function comes first: it sees the columns as the file holds them. Named as in the file."""
+    return [] if spec.columns.function else in_file(frag, spec.columns.categorical)
 
 
 def fit_group(spec: ReadSpec, frags: list[Fragment]) -> list[tuple]:
     """fit_fragment over fragments of one file, opened once."""
-    with opened(spec.uri, frags[0].path, as_dictionary(spec)) as pf:
+    with opened(spec.uri, frags[0].path, as_dictionary(spec, frags[0])) as pf:
         return [fit_fragment(spec, f, pf) for f in frags]
 
 
@@ -142,7 +143,7 @@ def piece_groups(pieces, mix: bool = False) -> list[list[Piece]]:
 def transform_group(spec: ReadSpec, fitted: FittedPreprocessor, pieces: list[Piece]) -> list[Part]:
     """transform_piece over pieces of one file, opened once; pieces of the same row group share one
     read, screen and hold-out split."""
-    with opened(spec.uri, pieces[0].fragment.path, as_dictionary(spec)) as pf:
+    with opened(spec.uri, pieces[0].fragment.path, as_dictionary(spec, pieces[0].fragment)) as pf:
         last: dict = {}
         out = []
         for p in pieces:

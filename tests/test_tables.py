@@ -142,28 +142,21 @@ def test_string_view_columns_are_categorical(delta_table):
     assert sorted(plan.fitted.vocab[plan.fitted.categorical.index("cat")]) == [f"c{i}" for i in range(7)]
 
 
-def test_unsupported_delta_features_are_refused_by_name(tmp_path):
+def test_column_mapping_is_applied_and_unknown_delta_features_are_refused_by_name(tmp_path):
     path = str(tmp_path / "mapped")
-    write_deltalake(path, batch(0, 10), configuration={"delta.columnMapping.mode": "name"})
-    with pytest.raises(DataError, match="column mapping"):
-        project_rows(path)
+    write_deltalake(path, batch(0, 40), configuration={"delta.columnMapping.mode": "name"})
+    assert project_rows(path) == delta_rows(path)
 
     class Protocol:
-        reader_features = ["deletionVectors"]
+        reader_features = ["deletionVectors", "someFutureFeature"]
 
-    class Marked:  # a table whose deletes are deletion vectors (deltalake's Python writer makes none)
+    class Marked:
         def protocol(self):
             return Protocol()
 
-        def metadata(self):
-            return type("M", (), {"configuration": {}})()
-
-        def deletion_vectors(self):
-            return pa.table({"filepath": ["a.parquet"], "selection_vector": [[True, False]]}).to_reader()
-
-    assert "1 data files with deletion vectors" in tables._delta_unsupported(Marked())
-    Protocol.reader_features = ["someFutureFeature"]
     assert "someFutureFeature" in tables._delta_unsupported(Marked())
+    Protocol.reader_features = ["deletionVectors", "columnMapping"]
+    assert tables._delta_unsupported(Marked()) is None
 
 
 @pytest.fixture()
