@@ -151,7 +151,7 @@ _FIT_FORMAT = "pipeline.Fit/1"
 
 def read_spec(cfg: Config, src: Source) -> ReadSpec:
     return ReadSpec(src.uri, src.columns, cfg.quality.on_bad_file, cfg.quality.on_bad_value, cfg.data.val_fraction,
-                    cfg.data.val_seed, src.table.schema if src.table is not None else None)
+                    cfg.data.val_seed, *((src.table.schema, src.table.defaults) if src.table is not None else ()))
 
 
 def _fit_settings(cfg: Config) -> dict[str, Any]:

@@ -527,19 +527,19 @@ def in_file(part: Shard | Fragment, columns) -> list[str]:
 
 
 def read_fragment(uri: str, frag: Fragment, columns: list[str] | None, pf: pq.ParquetFile | None = None,
-                  schema: pa.Schema | None = None) -> pa.Table:
+                  schema: pa.Schema | None = None, defaults: tuple[tuple[str, Any], ...] = ()) -> pa.Table:
     """Read one row group, only the named columns (column pushdown; None: every column), with page
     checksums verified where the writer stored them, from `pf` (see opened) or the file; partition keys
     named in `columns` come from the table's metadata or the path. schema: a table's (source.Source.table):
     the columns are then the table's, found in the file by frag.renames, typed as the table says, null
-    where the file predates them; and the rows the table deleted are left out."""
+    where the file predates them (or `defaults`' value); and the rows the table deleted are left out."""
     if pf is None:
         with opened(uri, frag.path) as pf:
             if pf is None:  # open it again without the guard, for the error itself
                 fs, _ = storage.filesystem(uri)
                 with fs.open_input_file(frag.path) as f:
                     pq.ParquetFile(f)
-            return read_fragment(uri, frag, columns, pf, schema)
+            return read_fragment(uri, frag, columns, pf, schema, defaults)
     part = dict(frag.partition)
     file_names = pf.schema_arrow.names
     to_table = dict(frag.renames) if schema is not None else {n: n for n in file_names}
@@ -570,7 +570,7 @@ def read_fragment(uri: str, frag: Fragment, columns: list[str] | None, pf: pq.Pa
         elif c in part:
             out[c] = constant(part[c], want, table.num_rows)
         else:  # added to the table after this file was written
-            out[c] = pa.nulls(table.num_rows, want)
+            out[c] = constant(dict(defaults).get(c), want, table.num_rows)
     return pa.table(out) if out else table.select([])
 
 

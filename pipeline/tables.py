@@ -70,6 +70,8 @@ class Snapshot:
     ids: tuple[tuple[int, str], ...] = ()  # a file column's field id -> the table's column (Iceberg; Delta id mode)
     physical: tuple[tuple[str, str], ...] = ()  # a file column's name -> the table's column, for files without
     # ids (Delta column mapping's physical names; Iceberg's name mapping); () : the table's names themselves
+    defaults: tuple[tuple[str, Any], ...] = ()  # a column's value in files written before it was added (Iceberg
+    # v3 initial-default; null where none)
 
     def describe(self) -> str:
         what = "version" if self.format == "delta" else "snapshot"
@@ -312,14 +314,14 @@ def _iceberg(uri: str, version: str, catalog: str) -> Snapshot:
     else:
         snap = table.current_snapshot()
     location = table.location()
-    if "://" not in location:
-        location = f"file://{location}"
+    if "://" not in location:  # a local path (some writers record it relative to where they ran)
+        location = f"file://{storage.filesystem(location)[1]}"
     if snap is None:  # a table created and never written
         return Snapshot("iceberg", uri, location, "", ())
     schema = table.schemas().get(snap.schema_id, table.schema()) if snap.schema_id is not None else table.schema()
     files, deletes = [], _IcebergDeletes(uri, snap.snapshot_id, table.io)
     specs = table.specs()
-    for task in table.scan(snapshot_id=snap.snapshot_id).plan_files():
+    for task in _plan_files(uri, table, snap.snapshot_id):
         f = task.file
         if f.file_format != FileFormat.PARQUET:
             raise DataError(f"the Iceberg table '{uri}' has a {f.file_format.name} data file ({f.file_path}); this "
@@ -335,7 +337,25 @@ def _iceberg(uri: str, version: str, catalog: str) -> Snapshot:
     if mapping is not None:
         now = dict(ids)
         physical = tuple((name, now[m.field_id]) for m in mapping for name in m.names if m.field_id in now)
-    return Snapshot("iceberg", uri, location, str(snap.snapshot_id), tuple(files), arrow, ids, physical)
+    defaults = tuple((f.name, f.initial_default) for f in schema.fields if getattr(f, "initial_default", None) is not None)
+    return Snapshot("iceberg", uri, location, str(snap.snapshot_id), tuple(files), arrow, ids, physical, defaults)
+
+
+def _plan_files(uri: str, table, snapshot_id: int) -> list:
+    """pyiceberg's scan plan: each data file with the delete files that apply to it."""
+    try:
+        return list(table.scan(snapshot_id=snapshot_id).plan_files())
+    except ValueError as e:
+        if "equality" not in str(e).lower():
+            raise
+        raise DataError(_EQUALITY.format(uri=uri, snapshot=snapshot_id, which="") + f" (pyiceberg: {e})") from None
+
+
+_EQUALITY = ("the Iceberg table '{uri}' (snapshot {snapshot}) has equality delete files{which} (merge-on-read deletes "
+             "by value, as Flink and some Spark jobs write them), which neither this pipeline nor pyiceberg applies: "
+             "reading the data files without them would bring deleted rows back. Rewrite the affected files "
+             "(Spark: CALL system.rewrite_data_files, or rewrite_position_delete_files), or delete with "
+             "copy-on-write, then read it again")
 
 
 class _IcebergDeletes:
@@ -354,11 +374,8 @@ class _IcebergDeletes:
 
         equality = [d.file_path for d in delete_files if d.content == DataFileContent.EQUALITY_DELETES]
         if equality:
-            raise DataError(f"the Iceberg table '{self.uri}' (snapshot {self.snapshot_id}) has equality delete files "
-                            f"(merge-on-read deletes by value, e.g. {equality[0]} on {data_file}), which this pipeline "
-                            f"does not apply: reading the data files without them would bring deleted rows back. "
-                            f"Rewrite the affected files (Spark: CALL system.rewrite_data_files, or "
-                            f"rewrite_position_delete_files), or delete with copy-on-write, then read it again")
+            raise DataError(_EQUALITY.format(uri=self.uri, snapshot=self.snapshot_id,
+                                             which=f" (e.g. {equality[0]}, on {data_file})"))
         chunks = []
         for d in delete_files:
             if d.file_path not in self.read:

@@ -36,6 +36,7 @@ class ReadSpec:
     val_fraction: float = 0.0
     val_seed: int = 0
     schema: pa.Schema | None = None  # a Delta or Iceberg table's columns (source.read_fragment)
+    defaults: tuple = ()  # the table's values of columns added after a file was written (source.read_fragment)
 
 
 def read(spec: ReadSpec, frag: Fragment, pf=None) -> pa.Table | dict:
@@ -43,7 +44,7 @@ def read(spec: ReadSpec, frag: Fragment, pf=None) -> pa.Table | dict:
     saying why not. pf: the file, already open (source.opened)."""
     fn = spec.columns.function
     try:
-        table = read_fragment(spec.uri, frag, None if fn else spec.columns.read, pf, spec.schema)
+        table = read_fragment(spec.uri, frag, None if fn else spec.columns.read, pf, spec.schema, spec.defaults)
     except (OSError, pa.ArrowException) as e:
         rows = f"rows {frag.file_row_start}-{frag.file_row_start + frag.num_rows - 1}"
         text = str(e).lower()
