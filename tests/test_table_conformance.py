@@ -9,10 +9,7 @@ lower-level API where no writer on PyPI makes them (position delete files, delet
 
 from __future__ import annotations
 
-import json
 import os
-import struct
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import pipeline
+from iceberg_deletes import write_delete_snapshot
 from pipeline.columns import family
 from pipeline.errors import DataError, NoUsableRows
 
@@ -199,95 +197,6 @@ def test_files_without_field_ids_are_read_through_the_name_mapping_after_a_renam
     assert got == want and len(got) == 700
 
 
-def write_delete_snapshot(table, data_file_path: str, positions: list[int], *, puffin: bool) -> str:
-    """Commit one delete file for `data_file_path` as a new snapshot, the way Spark, Trino and Flink do under
-    write.delete.mode = merge-on-read: a Parquet position delete file (format v2), or a deletion vector in a
-    Puffin file (v3). pyiceberg writes neither, so the manifest, manifest list and metadata are written here
-    with its lower-level API, as duckdb-iceberg's fixture script does. Returns the new metadata file."""
-    from pyiceberg.avro.file import AvroOutputFile
-    from pyiceberg.manifest import (DataFile, DataFileContent, FileFormat, ManifestContent, ManifestEntry,
-                                    ManifestEntryStatus, ManifestListWriter, ManifestListWriterV2, ManifestWriterV2)
-    from pyiceberg.partitioning import PartitionSpec
-    from pyiceberg.typedef import Record
-
-    version = 3 if puffin else 2
-    base = table.current_snapshot()
-    root = Path(table.location().removeprefix("file://"))
-    snapshot_id, seq = base.snapshot_id + 1, base.sequence_number + 1
-    if puffin:
-        from pyroaring import BitMap
-
-        bitmap = BitMap(positions).serialize()
-        body = b"\xD1\xD3\x39\x64" + struct.pack("<q", 1) + struct.pack("<i", 0) + bitmap  # one 32-bit bitmap
-        blob = struct.pack(">I", len(body)) + body + struct.pack(">I", zlib.crc32(body))
-        footer = json.dumps({"blobs": [{"type": "deletion-vector-v1", "fields": [2147483645], "snapshot-id": snapshot_id,
-                                        "sequence-number": seq, "offset": 4, "length": len(blob),
-                                        "properties": {"referenced-data-file": data_file_path,
-                                                       "cardinality": str(len(positions))}}]}).encode()
-        payload = b"PFA1" + blob + b"PFA1" + footer + struct.pack("<i", len(footer)) + b"\0\0\0\0" + b"PFA1"
-        path = root / "data" / "deletes.puffin"
-        path.write_bytes(payload)
-        extra = dict(referenced_data_file=data_file_path, content_offset=4, content_size_in_bytes=len(blob))
-        fmt, size = FileFormat.PUFFIN, len(payload)
-    else:
-        path = root / "data" / "position-deletes.parquet"
-        schema = pa.schema([pa.field("file_path", pa.string(), False, {b"PARQUET:field_id": b"2147483546"}),
-                            pa.field("pos", pa.int64(), False, {b"PARQUET:field_id": b"2147483545"})])
-        pq.write_table(pa.table({"file_path": [data_file_path] * len(positions), "pos": positions}, schema), str(path))
-        extra, fmt, size = {}, FileFormat.PARQUET, path.stat().st_size
-
-    class DeleteManifestWriter(ManifestWriterV2):
-        @property
-        def version(self):
-            return version
-
-        def content(self):
-            return ManifestContent.DELETES
-
-        @property
-        def _meta(self):
-            return {**super()._meta, "content": "deletes"}
-
-        def new_writer(self):
-            s = self._with_partition(self.version)
-            return AvroOutputFile(output_file=self._output_file, file_schema=s, record_schema=s,
-                                  schema_name="manifest_entry", metadata=self._meta)
-
-    manifest_path = root / "metadata" / f"deletes-{snapshot_id}-m0.avro"
-    with DeleteManifestWriter(spec=PartitionSpec(spec_id=0), schema=table.schema(),
-                              output_file=table.io.new_output(str(manifest_path)), snapshot_id=snapshot_id,
-                              avro_compression="gzip") as writer:
-        writer.add_entry(ManifestEntry.from_args(
-            status=ManifestEntryStatus.ADDED, snapshot_id=snapshot_id, sequence_number=seq, file_sequence_number=seq,
-            data_file=DataFile.from_args(_table_format_version=version, content=DataFileContent.POSITION_DELETES,
-                                         file_path=str(path), file_format=fmt, partition=Record(),
-                                         record_count=len(positions), file_size_in_bytes=size, spec_id=0, **extra)))
-
-    class ListWriter(ManifestListWriterV2):
-        def __init__(self, output_file):
-            ManifestListWriter.__init__(self, format_version=version, output_file=output_file, meta={
-                "snapshot-id": str(snapshot_id), "parent-snapshot-id": str(base.snapshot_id),
-                "sequence-number": str(seq), "format-version": str(version), "avro.codec": "gzip"})
-            self._commit_snapshot_id, self._sequence_number = snapshot_id, seq
-
-    list_path = root / "metadata" / f"snap-{snapshot_id}.avro"
-    with ListWriter(table.io.new_output(str(list_path))) as w:
-        w.add_manifests([*base.manifests(io=table.io), writer.to_manifest_file()])
-    meta = json.loads(Path(table.metadata_location.removeprefix("file://")).read_text())
-    when = base.timestamp_ms + 1
-    meta.update({"format-version": version, "current-snapshot-id": snapshot_id, "last-sequence-number": seq,
-                 "last-updated-ms": when, "refs": {"main": {"snapshot-id": snapshot_id, "type": "branch"}}})
-    if puffin:
-        meta["next-row-id"] = sum(f.record_count for f in table.scan().plan_files() for f in [f.file])
-    meta["snapshots"].append({"sequence-number": seq, "snapshot-id": snapshot_id, "parent-snapshot-id": base.snapshot_id,
-                              "timestamp-ms": when, "manifest-list": str(list_path), "schema-id": table.schema().schema_id,
-                              "summary": {"operation": "delete", "added-delete-files": "1"}})
-    meta["snapshot-log"].append({"snapshot-id": snapshot_id, "timestamp-ms": when})
-    out = root / "metadata" / "99999-deletes.metadata.json"
-    out.write_text(json.dumps(meta))
-    return str(out)
-
-
 @pytest.mark.parametrize("puffin", [False, True], ids=["position-delete-file", "deletion-vector"])
 def test_iceberg_merge_on_read_deletes_leave_out_exactly_the_deleted_rows(tmp_path, puffin):
     table = catalog(tmp_path).create_table("ns.t", schema=rows(0, 1).schema, properties={"format-version": "2"})
@@ -296,7 +205,7 @@ def test_iceberg_merge_on_read_deletes_leave_out_exactly_the_deleted_rows(tmp_pa
     target = sorted(t.file.file_path for t in table.scan().plan_files())[0]
     in_target = pq.read_table(target.removeprefix("file://"))["id"].to_numpy()
     gone = list(range(0, len(in_target), 7))
-    metadata = write_delete_snapshot(table, target, gone, puffin=puffin)
+    metadata = write_delete_snapshot(table, {target: gone}, puffin=puffin)
     theirs = pyiceberg_rows(metadata)
     assert theirs.num_rows == 1000 - len(gone)
     got, want, plan = project_vs_reader(table.location().removeprefix("file://"), theirs, passthrough=["id"])
@@ -304,3 +213,22 @@ def test_iceberg_merge_on_read_deletes_leave_out_exactly_the_deleted_rows(tmp_pa
     ids = set(pipeline.rank_data(plan, batch_size=1, device="cpu").train.extra["id"].tolist())
     assert ids == set(range(1000)) - set(in_target[gone].tolist())
     assert plan.accounting.rows_read == theirs.num_rows and plan.accounting.balanced
+
+
+def test_on_ray_deletes_and_column_mapping_give_the_same_fit_and_rows(ray_local):
+    """The Ray path (fit tasks, each rank's share read by tasks) carries each row group's deletes and the
+    table's column names to the tasks: the same fit as in one process, and every rank's rows together are
+    deltalake's rows."""
+    from pipeline import ray_side
+
+    path = str(DELTA_RS / "table_with_deletion_logs")  # Databricks: deletion vectors over 98 of its rows
+    keys = dict(label="", val_fraction=0.0, settings={"train.drop_last": False})
+    on_ray = pipeline.prepare(path, world_size=2, use_ray=True, **keys)
+    here = pipeline.prepare(path, world_size=2, use_ray=False, **keys)
+    assert on_ray.fitted == here.fitted and on_ray.train_shares == here.train_shares
+    blocks = [b for r in range(2) for b in ray_side.share_dataset(on_ray.spec, on_ray.fitted, on_ray.pieces(r)).take_all()]
+    f = on_ray.fitted
+    rows = np.stack([b["rows"] for b in blocks])
+    got = packed_rows(rows[:, :f.num_features], rows[:, f.num_features:f.num_features + len(f.categorical)].view(np.int32))
+    served = f.transform(deltalake_rows(path))
+    assert got == packed_rows(served.x_num, served.x_cat) and len(got) == 98
