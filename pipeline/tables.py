@@ -209,6 +209,13 @@ def _delta(uri: str, version: str) -> Snapshot:
         part = tuple((c[len("partition."):], row[c]) for c in part_cols)
         files.append(TableFile(path, row["num_records"], part, deleted.get(path, b"")))
     files.sort(key=lambda f: f.path)
+    stray = sorted(set(deleted) - {f.path for f in files})
+    if stray:  # a deletion vector applied to no file would bring its deleted rows back, silently
+        raise DataError(f"the Delta table '{uri}' (version {table.version()}) has a deletion vector for '{stray[0]}', "
+                        f"which is not among the data files deltalake lists ({len(files)} files, e.g. "
+                        f"'{files[0].path if files else ''}'); the deleted rows cannot be matched to a file. Report it "
+                        f"with the table's _delta_log, or purge the deletion vectors (Spark: REORG TABLE ... APPLY "
+                        f"(PURGE))")
     return Snapshot("delta", uri, location, str(table.version()), tuple(files), _plain(schema), ids, physical)
 
 
@@ -416,6 +423,11 @@ def file_columns(snap: Snapshot, schema: pa.Schema) -> tuple[tuple[str, str], ..
     by_id = dict(snap.ids)
     if by_id and all(_FIELD_ID in (f.metadata or {}) for f in schema):
         pairs = ((f.name, by_id.get(int(f.metadata[_FIELD_ID]))) for f in schema)
+    elif snap.format == "iceberg" and not snap.physical:
+        raise DataError("the file has no Parquet field ids and the Iceberg table has no name mapping "
+                        "(schema.name-mapping.default), so which column is which cannot be known (pyiceberg refuses "
+                        "it too). Set the table's name mapping (pyiceberg: table.update_schema()... or "
+                        "create_mapping_from_schema; Spark: CALL system.add_files sets it), or rewrite the file")
     else:
         physical = dict(snap.physical) if snap.physical else {n: n for n in names}
         pairs = ((f.name, physical.get(f.name)) for f in schema)

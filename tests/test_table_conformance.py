@@ -197,6 +197,16 @@ def test_files_without_field_ids_are_read_through_the_name_mapping_after_a_renam
     assert got == want and len(got) == 700
 
 
+def test_files_without_field_ids_or_a_name_mapping_are_refused_by_name(tmp_path):
+    table = catalog(tmp_path).create_table("ns.t", schema=rows(0, 1).schema)
+    pq.write_table(rows(0, 100), f"{tmp_path}/import.parquet")
+    table.add_files([f"{tmp_path}/import.parquet"])
+    with table.transaction() as t:
+        t.remove_properties("schema.name-mapping.default")
+    with pytest.raises(DataError, match="no Parquet field ids and the Iceberg table has no name mapping"):
+        pipeline.prepare(table.location(), world_size=1, label="", use_ray=False)
+
+
 @pytest.mark.parametrize("puffin", [False, True], ids=["position-delete-file", "deletion-vector"])
 def test_iceberg_merge_on_read_deletes_leave_out_exactly_the_deleted_rows(tmp_path, puffin):
     table = catalog(tmp_path).create_table("ns.t", schema=rows(0, 1).schema, properties={"format-version": "2"})
