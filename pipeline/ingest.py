@@ -82,6 +82,20 @@ class IngestPlan:
     def val_sizes(self) -> list[int]:
         return [sum(p.rows for p in s) for s in self.val_shares]
 
+    def for_world(self, world: int) -> "IngestPlan":
+        """The same fit planned for another number of ranks: shares re-planned from the fit's counts, no
+        new pass over the data (an elastic run that lost or gained workers)."""
+        if world == self.world_size:
+            return self
+        return replace(self, world_size=world, **_shares(self.source, self.accounting, world, self.global_shuffle))
+
+    def with_train_span(self, rank: int, lo: int, hi: int) -> "IngestPlan":
+        """rank reads training positions [lo, hi) instead of its block (a resume on another world size)."""
+        counts = {k: u[0] for k, u in self.accounting.used_by_fragment.items()}
+        shares = list(self.train_shares)
+        shares[rank] = plan_shares(self.source.fragments, counts, 1, bounds=[(lo, hi)])[0]
+        return replace(self, train_shares=shares)
+
     def pieces(self, rank: int) -> list[Piece]:
         """What rank reads: its training pieces, then its validation pieces."""
         return [*self.train_shares[rank], *self.val_shares[rank]]
@@ -147,6 +161,14 @@ class IngestPlan:
 
 
 _FIT_FORMAT = "pipeline.Fit/1"
+
+
+def _shares(src: Source, acct: Accounting, world: int, whole: bool) -> dict[str, list[list[Piece]]]:
+    """Every rank's training and validation pieces: pure functions of the fit's counts and the world size."""
+    train_counts = {k: u[0] for k, u in acct.used_by_fragment.items()}
+    val_counts = {k: u[1] for k, u in acct.used_by_fragment.items()}
+    return {"train_shares": plan_shares(src.fragments, train_counts, world, whole=whole),
+            "val_shares": plan_shares(src.fragments, val_counts, world, val=True)}
 
 
 def read_spec(cfg: Config, src: Source) -> ReadSpec:
@@ -305,13 +327,9 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
     fitted = fitted or FittedPreprocessor.from_stats(total, src.columns, max_size=p.vocab_max_size,
                                                      min_count=p.vocab_min_count, missing_indicator=p.missing_indicator,
                                                      standardize_target=p.standardize_target)
-    train_counts = {k: u[0] for k, u in acct.used_by_fragment.items()}
-    val_counts = {k: u[1] for k, u in acct.used_by_fragment.items()}
-    plan = IngestPlan(cfg, src, fitted, acct, world,
-                      plan_shares(src.fragments, train_counts, world, whole=cfg.train.shuffle == "global"),
-                      plan_shares(src.fragments, val_counts, world, val=True),
-                      {"validate_s": t1 - t0, "fit_s": fit_s, "planned_at": time.time(),
-                       "fit_on": f"reused {reuse}" if saved else "Ray" if on_ray else "this process"})
+    plan = IngestPlan(cfg, src, fitted, acct, world, **_shares(src, acct, world, cfg.train.shuffle == "global"),
+                      timings={"validate_s": t1 - t0, "fit_s": fit_s, "planned_at": time.time(),
+                               "fit_on": f"reused {reuse}" if saved else "Ray" if on_ray else "this process"})
     if _ray_ready():
         fitted.shared()  # tasks and training workers get the vocabularies from the object store, not pickled in
     if min(plan.train_sizes) == 0:
@@ -436,6 +454,7 @@ class RankData:
     rows_local: int  # rows of this rank's share transformed on this node (Ray) or in this process
     read_s: float
     where: str
+    resumed: str = ""  # where the loader went on from, when rank_data was given a state
 
     @property
     def fitted(self) -> FittedPreprocessor:
@@ -444,23 +463,29 @@ class RankData:
     def describe(self) -> str:
         return (f"[data] rank {self.rank}/{self.world_size} ({self.launcher}): {len(self.train):,} training + "
                 f"{len(self.val):,} validation rows, {100.0 * self.rows_local / max(1, len(self.train) + len(self.val)):.0f}% "
-                f"transformed on this node, in {self.read_s:.1f}s; rows {self.where}; {len(self.loader)} steps/epoch")
+                f"transformed on this node, in {self.read_s:.1f}s; rows {self.where}; {len(self.loader)} steps/epoch"
+                + (f"; {self.resumed}" if self.resumed else ""))
 
 
 def rank_data(plan: IngestPlan, *, batch_size: int | None = None, seed: int | None = None,
               shuffle: bool | None = None, drop_last: bool | None = None, device=None, rank: int | None = None,
-              world_size: int | None = None) -> RankData:
+              world_size: int | None = None, resume: dict | None = None) -> RankData:
     """This rank's training and validation rows and a loader over its training rows.
 
     Rank and world size come from Ray Train, torch.distributed or $RANK/$WORLD_SIZE (or pass them);
     under Ray Train the rows arrive through the DataConfig of `plan.trainer_kwargs()`, elsewhere this
     process reads its pieces with pyarrow. batch_size, seed, shuffle and drop_last default to the
     plan's config (train.*); device to Ray Train's device, else cuda:$LOCAL_RANK when CUDA is there,
-    else the CPU. Every rank runs the same number of steps per epoch (the plan knows every rank's size)."""
+    else the CPU. Every rank runs the same number of steps per epoch (the plan knows every rank's size).
+
+    A plan made for another world size is re-planned from its fit (no new pass over the data). resume: a
+    loader state (`loader.state_dict()`, the same on every rank) saved on any number of ranks: the loader
+    goes on from it, and the rank reads what the rest of that epoch deals it (every row of the epoch once
+    across the ranks, see sampler.py)."""
     import torch
 
     from .loader import DeviceLoader
-    from .sampler import BatchSampler
+    from .sampler import BatchSampler, resume_span, upgrade
 
     launcher, r, w = rank_context()
     if launcher == "torch.distributed":
@@ -468,10 +493,9 @@ def rank_data(plan: IngestPlan, *, batch_size: int | None = None, seed: int | No
         atexit.register(end_process_group_at_exit)
     r = r if rank is None else rank
     w = w if world_size is None else world_size
-    if w != plan.world_size or not 0 <= r < w:
-        raise PipelineError(f"this process is rank {r} of {w} ({launcher}) but the ingest plan was made for "
-                            f"world_size={plan.world_size}; call pipeline.prepare(..., world_size={w}) so every rank "
-                            f"gets a share")
+    if not 0 <= r < w:
+        raise PipelineError(f"rank {r} is not one of world_size={w} ranks ({launcher})")
+    plan = plan.for_world(w)
     cfg, f = plan.config, plan.fitted
     t = cfg.train
     batch_size, seed = batch_size or t.batch_size, t.seed if seed is None else seed
@@ -493,15 +517,28 @@ def rank_data(plan: IngestPlan, *, batch_size: int | None = None, seed: int | No
             iterator = ray.train.get_dataset_shard(ray_side.DATASET)
         else:  # the training workers hold every CPU: a Ray Data task would wait forever, so read here
             read_here = " (read in this worker: the cluster has no CPU free for Ray Data tasks)"
-    train, val, local, secs, where = read_rank(plan, r, iterator, ranks_on_node)
+    span = resume_span(resume, plan.train_rows, w, r, global_rows=plan.global_shuffle) if resume else None
+    if span is not None and iterator is not None:  # the DataConfig's share is the plain block: read here
+        iterator, read_here = None, " (read in this worker: a resume on another world size)"
+    reading = plan.with_train_span(r, *span) if span else plan
+    train, val, local, secs, where = read_rank(reading, r, iterator, ranks_on_node)
     sizes = plan.train_sizes
     sampler = BatchSampler(sizes[r], batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=r,
-                           rank_sizes=sizes, global_rows=plan.train_rows if plan.global_shuffle else None)
+                           rank_sizes=sizes, global_rows=plan.train_rows if plan.global_shuffle else None,
+                           **({"offset": span[0], "dataset_rows": span[1] - span[0]} if span else {}))
     device = torch.device(device) if device is not None else _default_device(launcher)
     loader = DeviceLoader(train, sampler, device, placement=cfg.loader.placement, prefetch=cfg.loader.prefetch,
                           device_memory_fraction=cfg.loader.device_memory_fraction,
                           chunk_bytes=int(cfg.loader.chunk_mib * 2**20))
-    return RankData(plan, r, w, launcher, device, train, val, loader, local, secs, where + read_here)
+    resumed = ""
+    if resume:
+        loader.load_state_dict(resume)
+        st = upgrade(resume)
+        saved_on = sorted({s[0] for s in st["segments"]}) or ["any"]
+        resumed = (f"resumed at epoch {st['epoch']}, position {st.get('position', 0):,} (saved on "
+                   f"{'/'.join(map(str, saved_on))} ranks): {len(loader) - loader.sampler.step} steps left in it"
+                   + (f", read positions {span[0]:,}-{span[1] - 1:,}" if span else ""))
+    return RankData(plan, r, w, launcher, device, train, val, loader, local, secs, where + read_here, resumed)
 
 
 def read_rank(plan: IngestPlan, rank: int, iterator=None, ranks_on_node: int = 1):

@@ -62,13 +62,8 @@ class _Position:
         return self._delivered
 
     def state_dict(self) -> dict[str, Any]:
-        state = self.sampler.state_dict()
         # The sampler may have run ahead (prefetch); what counts is what the caller received.
-        if self._delivered == len(self.sampler):  # epoch finished: resume at the next one
-            state["epoch"], state["step"] = self._epoch_of_delivered + 1, 0
-        else:
-            state["epoch"], state["step"] = self._epoch_of_delivered, self._delivered
-        return state
+        return self.sampler.state_at(self._epoch_of_delivered, self._delivered)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state)

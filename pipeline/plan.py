@@ -38,14 +38,16 @@ def rank_sizes(n: int, world: int) -> list[int]:
 
 
 def plan_shares(fragments: Sequence, counts: dict[int, int], world: int, *, whole: bool = False,
-                val: bool = False) -> list[list[Piece]]:
+                val: bool = False, bounds: Sequence[tuple[int, int]] | None = None) -> list[list[Piece]]:
     """Each rank's pieces: rank r gets positions [r*N/W, (r+1)*N/W) of the N rows that `counts`
     (fragment row_start -> rows it yields) says the fragments yield, in fragment order (whole=True:
-    every rank gets all N). A fragment that straddles two ranks is read by both, each keeping its slice."""
+    every rank gets all N; bounds: these [lo, hi) of positions instead). A fragment that straddles two
+    ranks is read by both, each keeping its slice."""
     used = [(f, counts.get(f.row_start, 0)) for f in fragments]
     used = [(f, u) for f, u in used if u > 0]
     n = sum(u for _, u in used)
-    bounds = [(0, n)] * world if whole else [rank_bounds(n, world, r) for r in range(world)]
+    if bounds is None:
+        bounds = [(0, n)] * world if whole else [rank_bounds(n, world, r) for r in range(world)]
     shares: list[list[Piece]] = []
     for lo, hi in bounds:
         pieces, at = [], 0

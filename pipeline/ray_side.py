@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import tasks
-from .errors import DataError, StallError, find_pipeline_error
+from .errors import StallError, find_pipeline_error
 
 DATASET = "pipeline"  # the name under which the plan's rows reach Ray Train workers
 
@@ -166,10 +166,9 @@ def data_config(plan, base=None, cpus_per_worker: float = 1.0):
 
     class ShareSplit(DataConfig):
         def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
-            if world_size != plan.world_size:
-                raise DataError(f"the ingest plan was made for world_size={plan.world_size} but Ray Train started "
-                                f"{world_size} workers; call pipeline.prepare(..., world_size={world_size}) or set "
-                                f"ScalingConfig(num_workers={plan.world_size})")
+            # Elastic training restarts on however many workers it has: the same fit, re-planned for them
+            # (rank_data re-plans the same way).
+            planned = plan.for_world(world_size)
             others = {k: v for k, v in datasets.items() if k != DATASET}
             out = (base or DataConfig()).configure(others, world_size, worker_handles, worker_node_ids, **kwargs) \
                 if others else [{} for _ in range(world_size)]
@@ -178,7 +177,7 @@ def data_config(plan, base=None, cpus_per_worker: float = 1.0):
                 node = worker_node_ids[r] if worker_node_ids else None
                 # A node with no CPU beside its training workers cannot transform anything: no affinity.
                 cpus = spare.get(node, 0) // max(1, worker_node_ids.count(node)) if node else 0
-                part = share_dataset(plan.spec, plan.fitted, plan.pieces(r), node_id=node if cpus >= 1 else None,
+                part = share_dataset(planned.spec, planned.fitted, planned.pieces(r), node_id=node if cpus >= 1 else None,
                                      node_cpus=cpus)
                 part.context.enable_progress_bars = False  # a worker's read of its share takes seconds
                 out[r][DATASET] = part.iterator()
