@@ -100,7 +100,7 @@ def cmd_fit(cfg: config_mod.Config, args) -> int:
     from . import runtime, storage, train
 
     runtime.init_ray(cfg)
-    train.prepare_run(cfg, storage.join(cfg.run.output, train.run_name(cfg)), cfg.train.num_workers)
+    train.prepare_run(cfg, storage.join(cfg.run.output, train.run_name(cfg)), cfg.train.workers)
     return 0
 
 

@@ -154,7 +154,13 @@ class TrainSection(_Section):
                             "(at embedding_lr, DLRM's recipe: faster steps, slower to learn rare values)")
     embedding_lr: float = Field(0.1, gt=0.0, description="learning rate of the SGD that updates a sparse embedding "
                                                          "table (sparse_optimizer = sgd)")
-    num_workers: int = Field(2, ge=1, description="Ray Train workers (one per GPU when GPUs are used)")
+    num_workers: int | tuple[int, int] = Field(
+        2, description="Ray Train workers (one per GPU when GPUs are used), or [min, max] for elastic training "
+                       "(Ray 2.60+: the run goes on with fewer workers when nodes are lost and grows again at its "
+                       "next restart; every row still once per epoch)")
+    elastic_resize_s: float = Field(60.0, gt=0.0, description="elastic training (num_workers = [min, max]): how often "
+                                                              "Ray Train considers growing a healthy run onto capacity that "
+                                                              "came back (ScalingConfig.elastic_resize_monitor_interval_s)")
     use_gpu: Literal["auto", "true", "false"] = "auto"
     seed: int = 0
     drop_last: bool = Field(True, description="drop each epoch's last partial batch (the remainder is reported)")
@@ -173,11 +179,33 @@ class TrainSection(_Section):
     def _bool_is_fine(cls, v):
         return str(v).lower() if isinstance(v, bool) else v  # use_gpu = true in TOML or --train.use_gpu true
 
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _workers_list(cls, v):
+        if isinstance(v, str) and v.startswith("["):  # --train.num_workers [1,3]
+            v = [int(x) for x in v.strip("[]").split(",")]
+        return tuple(v) if isinstance(v, list) else v
+
     @model_validator(mode="after")
     def _hidden_positive(self) -> "TrainSection":
         if not self.hidden or any(h < 1 for h in self.hidden):
             raise ValueError(f"train.hidden must be a non-empty list of positive widths, got {list(self.hidden)}")
+        lo, hi = self.workers_range
+        if not 1 <= lo <= hi:
+            raise ValueError(f"train.num_workers must be a positive number, or [min, max] with 1 <= min <= max; got "
+                             f"{self.num_workers!r}")
         return self
+
+    @property
+    def workers_range(self) -> tuple[int, int]:
+        """(min, max) training workers: equal unless elastic."""
+        w = self.num_workers
+        return (w, w) if isinstance(w, int) else (int(w[0]), int(w[1]))
+
+    @property
+    def workers(self) -> int:
+        """The most training workers: what the plan is made for (rank_data re-plans for fewer)."""
+        return self.workers_range[1]
 
 
 CHUNK_MIB = 4.0  # rows gathered per index_select: large enough to amortise the call, small in memory

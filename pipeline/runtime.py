@@ -119,7 +119,7 @@ def init_ray(cfg: Config, train: bool = False) -> None:
     kwargs = dict(logging_level=logging.WARNING, configure_logging=True)
     where = address(cfg)
     if where == "local":
-        cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, cfg.train.num_workers + 2)
+        cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, cfg.train.workers + 2)
         loopback_only()
         private_quiet()
         if train and cfg.loader.read_share == "worker" and cfg.run.fit_on != "ray" and \

@@ -311,7 +311,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
             return []
     clock["plan_ready"] = time.time()
     cfg, fitted = plan.config, plan.fitted
-    data = pipeline.rank_data(plan)
+    ckpt = ray.train.get_checkpoint()
+    state = None
+    if ckpt is not None:  # read first: the loader goes on from it on however many workers this run has
+        with ckpt.as_directory() as d:
+            state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location="cpu", weights_only=False)
+    data = pipeline.rank_data(plan, resume=state["loader"] if state else None)
+    plan = data.plan  # planned for the workers this run has (elastic: fewer or more than the plan was made for)
     rank, world, device, loader = data.rank, data.world_size, data.device, data.loader
     print(data.describe(), flush=True)
     clock["data_ready"] = time.time()
@@ -328,13 +334,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
     history: list[dict[str, Any]] = []
     partial: dict[str, Any] | None = None  # the resumed epoch's sums before the checkpoint
 
-    ckpt = ray.train.get_checkpoint()
-    if ckpt is not None:
-        with ckpt.as_directory() as d:
-            state = torch.load(os.path.join(d, CHECKPOINT_FILE), map_location=device, weights_only=False)
+    if state is not None:
         (model.module if hasattr(model, "module") else model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        loader.load_state_dict(state["loader"])  # the same dict on every rank
+        optimizer.load_state_dict(state["optimizer"])  # rank_data's loader already went on from state["loader"]
         history = state["history"]
         partial = state.get("partial")
 
@@ -347,6 +349,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
     cfg_json = json.dumps(cfg.to_dict())
     trace = open(os.path.join(loop_config["run_dir"], f"trace-rank{rank}.txt"), "a") \
         if t.trace_batches and loop_config.get("run_dir") else None
+    # The row ids themselves, with the epoch's position after the step (rows all ranks consumed, the same on
+    # any world size) and the time: what a check of every row once per epoch across restarts and resizes reads.
+    ids_out = open(os.path.join(loop_config["run_dir"], f"ids-rank{rank}.txt"), "a") if trace is not None else None
     every = t.checkpoint_every_steps
     start_epoch = loader.state_dict()["epoch"]
     for epoch in range(start_epoch, t.epochs):
@@ -374,6 +379,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
                 ids = data.train.row_id[loader.last_index.cpu()].numpy()
                 trace.write(f"{epoch} {step} {hashlib.sha1(ids.tobytes()).hexdigest()[:16]}\n")
                 trace.flush()
+                ids_out.write(f"{time.time():.6f} {epoch} {loader.state_dict()['position']} {world} "
+                              f"{' '.join(map(str, ids.tolist()))}\n")
+                ids_out.flush()
             if every and step % every == 0 and step < len(loader):  # mid-epoch: every rank reports (a collective)
                 # The epoch so far over all ranks, this step included (`timed` counts it when the body ends).
                 sums = _all_reduce_sum([loss_sum.item() + carried[0], stats.steps + 1 + carried[1],
@@ -406,7 +414,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def plan_run(cfg: Config, out_uri: str, use_ray: bool | None = None) -> "pipeline.IngestPlan":
-    plan = prepare_run(cfg, out_uri, cfg.train.num_workers, use_ray=use_ray)
+    plan = prepare_run(cfg, out_uri, cfg.train.workers, use_ray=use_ray)
     if not plan.accounting.balanced:
         raise DataError(f"row accounting does not balance: {plan.accounting.summary()}; was data.path modified "
                         f"during the run?")
@@ -418,7 +426,7 @@ def workers_beside_fit(cfg: Config) -> bool:
     fit made both slower (fit 2.8 -> 3.9 s, workers 7.7 -> 10.5 s) for no gain; with cores to spare the
     fit's seconds disappear behind the workers' start-up."""
     if cfg.run.start_workers == "auto":
-        return cfg.loader.read_share == "worker" and (os.cpu_count() or 1) > cfg.train.num_workers + 1
+        return cfg.loader.read_share == "worker" and (os.cpu_count() or 1) > cfg.train.workers + 1
     return cfg.run.start_workers == "beside_fit"
 
 
@@ -485,7 +493,7 @@ def run_name(cfg: Config) -> str:
     return cfg.run.name if cfg.run.resume else f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-RESUME_KEYS = ("num_workers", "batch_size", "seed", "shuffle", "drop_last")
+RESUME_KEYS = ("batch_size", "seed", "shuffle", "drop_last")  # any number of workers resumes (sampler.py)
 
 
 def check_resume(cfg: Config, out_uri: str) -> None:
@@ -628,7 +636,12 @@ def run(cfg: Config, started: float | None = None, ray_s: float = 0.0,
         if early is not None:
             early.ray_span = (t0, t0 + ray_s)
     use_gpu = cfg.train.use_gpu == "true" or (cfg.train.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
-    check_cluster_fits(cfg.train.num_workers, use_gpu)
+    check_cluster_fits(cfg.train.workers_range[0], use_gpu)
+    elastic = cfg.train.workers_range[0] != cfg.train.workers_range[1]
+    if elastic and not hasattr(ScalingConfig, "elasticity_enabled"):  # Ray Train V2's elastic ScalingConfig
+        raise PipelineError(f"train.num_workers = {list(cfg.train.num_workers)} asks for elastic training, which Ray "
+                            f"Train has from Ray 2.60 (ScalingConfig(num_workers=(min, max))); this is Ray "
+                            f"{ray.__version__}. Upgrade Ray, or give train.num_workers one number")
     # Ray Train writes through the filesystem pipeline.storage builds (same endpoint, addressing style
     # and credentials as every other read and write), pickled to its controller and workers.
     storage_path, storage_filesystem = storage.ray_storage(cfg.run.output)
@@ -638,7 +651,10 @@ def run(cfg: Config, started: float | None = None, ray_s: float = 0.0,
             train_loop_per_worker,
             train_loop_config={"plan": plan, "stall_timeout_s": cfg.run.stall_timeout_s,
                                "run_dir": os.path.abspath(out_uri) if storage.is_local(out_uri) else None},
-            scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=use_gpu,
+            scaling_config=ScalingConfig(num_workers=cfg.train.workers_range if elastic else cfg.train.workers,
+                                         **({"elastic_resize_monitor_interval_s": cfg.train.elastic_resize_s}
+                                            if elastic else {}),
+                                         use_gpu=use_gpu,
                                          resources_per_worker=None if use_gpu else {"CPU": 1},
                                          placement_strategy=cfg.train.placement_strategy),
             run_config=RunConfig(name=name, storage_path=storage_path, storage_filesystem=storage_filesystem,

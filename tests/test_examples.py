@@ -41,7 +41,7 @@ def trace(d: Path, rank: int) -> dict[tuple[int, int], str]:
     """(epoch, step) -> digest; after a restart the replayed steps overwrite the lost attempt's."""
     out = {}
     for line in (d / f"rank{rank}.txt").read_text().splitlines():
-        e, k, h = line.split()
+        e, k, h = line.split()[:3]
         out[(int(e), int(k))] = h
     return out
 
@@ -73,6 +73,43 @@ def test_torchrun_and_resumed_ray_train_see_the_same_batches(data, tmp_path):
         ray_batches, torch_batches = trace(ry, r), trace(tr, r)
         assert len(lines) > len(ray_batches)  # steps after the last checkpoint were replayed
         assert ray_batches == torch_batches and len(torch_batches) > 40
+
+
+def traced_ids(d: Path, ranks: int, last_step: int | None = None) -> dict[int, list[int]]:
+    """epoch -> the row ids every rank traced in it (steps up to last_step of the first epoch only)."""
+    out: dict[int, list[int]] = {}
+    for r in range(ranks):
+        for line in (d / f"rank{r}.txt").read_text().splitlines():
+            e, k, _, *ids = line.split()
+            if last_step is None or int(k) <= last_step:
+                out.setdefault(int(e), []).extend(map(int, ids))
+    return out
+
+
+@pytest.mark.slow
+def test_torchrun_resumes_on_another_number_of_processes_with_every_row_once(data, tmp_path):
+    """--nnodes=MIN:MAX restarts with a new WORLD_SIZE: 2 processes stop at step 25 (checkpoint at 20),
+    3 go on from the checkpoint; the first epoch still gives every training row once, the second is
+    the plain 3-process epoch."""
+    import numpy as np
+
+    from pipeline.plan import holdout_mask
+
+    ids = np.arange(12_000)
+    train = set(ids[~holdout_mask(ids, 0.1, 0)].tolist())
+    ckpt, batch = str(tmp_path / "ckpt.pt"), 128
+    common = ["examples/torchrun_loop.py", "--data", data, "--epochs", "2", "--batch-size", str(batch),
+              "--checkpoint", ckpt, "--checkpoint-every", "10"]
+    first, second = tmp_path / "two", tmp_path / "three"
+    first.mkdir(), second.mkdir()
+    run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", *common, "--stop-at-step", "25",
+         "--trace", str(first)])
+    out = run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "3", *common, "--trace", str(second)])
+    assert "resumed at epoch 0, position 5,120 (saved on 2 ranks)" in out, out[-3000:]
+    before, after = traced_ids(first, 2, last_step=20), traced_ids(second, 3)
+    epoch0 = before[0] + after[0]
+    assert len(epoch0) == len(set(epoch0)) and set(epoch0) <= train and len(train) - len(epoch0) < 3 * batch
+    assert len(after[1]) == len(set(after[1])) and len(train) - len(after[1]) < 3 * batch
 
 
 @pytest.mark.slow
