@@ -379,7 +379,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
                 ids = data.train.row_id[loader.last_index.cpu()].numpy()
                 trace.write(f"{epoch} {step} {hashlib.sha1(ids.tobytes()).hexdigest()[:16]}\n")
                 trace.flush()
-                ids_out.write(f"{time.time():.6f} {epoch} {loader.state_dict()['position']} {world} "
+                ids_out.write(f"{time.time():.6f} {epoch} {loader.state_dict()['position']} {world} {os.getpid()} "
                               f"{' '.join(map(str, ids.tolist()))}\n")
                 ids_out.flush()
             if every and step % every == 0 and step < len(loader):  # mid-epoch: every rank reports (a collective)

@@ -39,6 +39,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS, WORLD, BATCH, EPOCHS = 40_000, 2, 256, 2
+ELASTIC_EPOCHS = 5  # long enough for a node to be lost, the run to shrink, a node to come back and the run to grow
 TIMEOUT_S = 600  # only catches a hung job: starting three Ray nodes takes minutes on a loaded machine
 
 CLUSTER_SCRIPT = textwrap.dedent('''
@@ -54,11 +55,13 @@ CLUSTER_SCRIPT = textwrap.dedent('''
     # workers hold every CPU of the surviving worker node and the head's; each re-reads its share
     # in its own process (loader.read_share = worker), so none waits for a free CPU.
     head_cpus = 1 if mode == "node_loss" else 0
+    # elastic: one CPU a worker node, so losing one leaves room for one training worker, not two
+    node_cpus = 1 if mode == "elastic" else 2
     small = {**small, "node_ip_address": "127.0.0.1"}  # loopback only (with LOOPBACK_ONLY in the environment)
     cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=head_cpus, include_dashboard=False, **small))
     nodes = {"head": cluster.head_node,
-             "a": cluster.add_node(num_cpus=2, resources={"node_a": 1}, **small),
-             "b": cluster.add_node(num_cpus=2, resources={"node_b": 1}, **small)}
+             "a": cluster.add_node(num_cpus=node_cpus, resources={"node_a": 1}, **small),
+             "b": cluster.add_node(num_cpus=node_cpus, resources={"node_b": 1}, **small)}
     cluster.wait_for_nodes()
     summary = {"events": []}
     try:
@@ -70,6 +73,9 @@ CLUSTER_SCRIPT = textwrap.dedent('''
                      "train.hidden": [32], "train.trace_batches": True}
         if mode == "node_loss":
             overrides.update({"train.checkpoint_every_steps": 10, "train.max_failures": 2})
+        elif mode == "elastic":
+            overrides.update({"train.checkpoint_every_steps": 20, "train.max_failures": 3, "train.num_workers": [1, 2],
+                              "train.elastic_resize_s": 2.0, "train.epochs": %(elastic_epochs)d})
         else:  # the plain run takes the Ray Data path: tasks pinned to each rank's node, through the DataConfig
             overrides["loader.read_share"] = "ray_data"
         if "train.placement_strategy" in config.keys():
@@ -120,9 +126,48 @@ CLUSTER_SCRIPT = textwrap.dedent('''
                     summary["events"].append({"lost": name, "committed": [c["epoch"], c["step"]], "traced": list(k)})
                     return
 
+        def worlds_after(run_dir, since):
+            try:
+                with open(os.path.join(run_dir, "ids-rank0.txt")) as f:
+                    return [int(w) for t, _, _, w, *_ in (ln.split(" ", 5) for ln in f) if float(t) > since]
+            except (OSError, ValueError):
+                return []
+
+        def shrink_then_grow():
+            """Lose a worker node mid-epoch (the run goes on with one worker from its last checkpoint), then,
+            once that one worker trains, add a node back: the run grows to two workers at its next resize."""
+            deadline = time.monotonic() + 400
+            lost_at = None
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+                runs = glob.glob(os.path.join(out, "mn-*"))
+                if not runs:
+                    continue
+                if lost_at is None:
+                    c, k = committed(runs[0]), last_step(runs[0])
+                    if c and c.get("mid_epoch") and k and k[0] == c["epoch"] and c["step"] + 2 <= k[1]:
+                        hosts = {a["Address"]["NodeID"] for a in ray._private.state.actors().values()
+                                 if a.get("ActorClassName") == "RayTrainWorker" and a.get("State") == "ALIVE"}
+                        name = next(n for n in ("a", "b") if nodes[n].node_id in hosts)
+                        cluster.remove_node(nodes[name], allow_graceful=False)
+                        lost_at = time.time()
+                        summary["events"].append({"lost": name, "committed": [c["epoch"], c["step"]]})
+                elif 1 in worlds_after(runs[0], lost_at):
+                    nodes["c"] = cluster.add_node(num_cpus=1, resources={"node_c": 1}, **small)
+                    summary["events"].append({"added": "c"})
+                    return
+
         if mode == "node_loss":
             threading.Thread(target=lose_a_worker_node, daemon=True).start()
-        result = train.run(cfg)
+        if mode == "elastic":  # Cluster.add_node starts processes, which only the main thread may do
+            done = {}
+            job = threading.Thread(target=lambda: done.update(result=train.run(cfg)), daemon=True)
+            job.start()
+            shrink_then_grow()
+            job.join()
+            result = done["result"]
+        else:
+            result = train.run(cfg)
         summary["run"] = result
         summary["nodes"] = {name: n.node_id for name, n in nodes.items()}
         summary["train_workers"] = [
@@ -132,7 +177,7 @@ CLUSTER_SCRIPT = textwrap.dedent('''
         ray.shutdown()
         cluster.shutdown()
     print("SUMMARY " + json.dumps(summary, default=str), flush=True)
-''') % {"epochs": EPOCHS, "batch": BATCH, "world": WORLD}
+''') % {"epochs": EPOCHS, "batch": BATCH, "world": WORLD, "elastic_epochs": ELASTIC_EPOCHS}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,6 +211,8 @@ def run_on_cluster(tmp_path: Path, mode: str) -> tuple[dict, str, Path]:
     script = tmp_path / "cluster_run.py"
     script.write_text(CLUSTER_SCRIPT)
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1",
+           # after a node is lost, elastic training may first wait for the workers it had: not for a minute
+           "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20",
            "RAY_TRAIN_ENABLE_CONTROLLER_STRUCTURED_LOGGING": "0", "RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING": "0"}
     env.pop("RAY_ADDRESS", None)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])  # this tree's code
@@ -303,3 +350,46 @@ def test_cluster_node_loss_resumes_mid_epoch_exactly(tmp_path, plain_run):
     for got, want in zip(summary["run"]["epochs"], plain_run[0]["run"]["epochs"], strict=True):
         assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-9), (got, want)
         assert (got["val_loss"], got["val_acc"]) == (want["val_loss"], want["val_acc"]), (got, want)
+
+
+def consumed_rows(run_dir: Path) -> dict[int, list[int]]:
+    """epoch -> the row ids every rank trained on, across restarts and resizes: a step traced by an attempt
+    that a later restart went back before (its checkpoint is older than the step) is not counted, since the
+    model state it made was lost. Each line: time, epoch, the epoch's position after the step, world size,
+    pid (one rank of one attempt), row ids."""
+    lines = []
+    for path in run_dir.glob("ids-rank*.txt"):
+        for ln in path.read_text().splitlines():
+            t, e, pos, w, pid, *ids = ln.split()
+            lines.append((float(t), int(e), int(pos), int(w), int(pid), [int(i) for i in ids]))
+    lines.sort()
+    first = {}
+    for t, e, pos, w, pid, _ in lines:  # each process's first step: where its attempt resumed from
+        first.setdefault(pid, (t, e, pos - w * BATCH))
+    resumes = sorted(first.values())[1:]
+    out: dict[int, list[int]] = {}
+    for t, e, pos, w, pid, ids in lines:
+        if not any(t_r > t and (e_r, p_r) < (e, pos) for t_r, e_r, p_r in resumes):
+            out.setdefault(e, []).extend(ids)
+    return out
+
+
+def test_elastic_run_shrinks_on_node_loss_and_grows_back_with_every_row_once_per_epoch(tmp_path):
+    """train.num_workers = [1, 2] on the 3-node cluster: a worker node is removed mid-epoch, Ray Train goes
+    on with one worker from the last checkpoint; a node is added back and the run grows to two workers at
+    its next resize. The row ids the ranks consumed show every training row exactly once per epoch (less the
+    drop_last remainder of the epoch's last stretch)."""
+    from pipeline.plan import holdout_mask
+
+    summary, text, run_dir = run_on_cluster(tmp_path, "elastic")
+    assert [next(iter(ev)) for ev in summary["events"]] == ["lost", "added"], (summary["events"], text[-4000:])
+    train = np.arange(ROWS)[~holdout_mask(np.arange(ROWS), 0.1, 0)]
+    worlds = [int(ln.split()[3]) for ln in (run_dir / "ids-rank0.txt").read_text().splitlines()]
+    changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
+    assert changes[:3] == [2, 1, 2], changes  # shrank on the loss, grew back onto the returned node
+    rows = consumed_rows(run_dir)
+    assert sorted(rows) == list(range(ELASTIC_EPOCHS))
+    for e, ids in rows.items():
+        assert len(ids) == len(set(ids)), f"epoch {e}: {len(ids) - len(set(ids))} rows trained twice"
+        assert set(ids) <= set(train.tolist()) and len(train) - len(ids) < 2 * BATCH, (e, len(train), len(ids))
+    assert len(summary["run"]["epochs"]) == ELASTIC_EPOCHS
