@@ -7,6 +7,11 @@ and hands the plan to TorchTrainer; each worker calls `pipeline.rank_data` for i
 A checkpoint every --checkpoint-every steps holds the model, the optimizer and the loader's state, so
 a worker lost mid-epoch (--fail-at-step makes rank 0 die once, to show it) resumes with exactly the
 batches an uninterrupted run would have seen. --trace writes each batch's row ids, to check that.
+
+Elastic: --workers 1:4 runs Ray Train's elastic training (Ray 2.60+): when nodes are lost the group
+restarts on fewer workers from the last checkpoint, and grows again when capacity comes back. The
+loader state holds no rank count, so `rank_data(plan, resume=state)` deals the rest of the epoch over
+however many workers there are now: every row once per epoch.
 """
 
 from __future__ import annotations
@@ -41,19 +46,21 @@ class Model(nn.Module):
 
 def loop(config: dict) -> None:
     plan: pipeline.IngestPlan = config["plan"]
-    data = pipeline.rank_data(plan, batch_size=config["batch_size"], seed=config["seed"])
+    state, checkpoint = None, ray.train.get_checkpoint()
+    if checkpoint:  # resuming: model, optimizer and the exact position in the data
+        with checkpoint.as_directory() as d:
+            state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
+    # The plan is re-planned for this many workers (elastic: maybe fewer or more than it was made for), and
+    # the loader goes on from the saved position: the same dict on every rank, saved on any number of them.
+    data = pipeline.rank_data(plan, batch_size=config["batch_size"], seed=config["seed"],
+                              resume=state["loader"] if state else None)
     loader = data.loader
     torch.manual_seed(0)
     model = prepare_model(Model(data.fitted))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint:  # resuming: model, optimizer and the exact position in the data
-        with checkpoint.as_directory() as d:
-            state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
+    if state:
         model.module.load_state_dict(state["model"]) if hasattr(model, "module") else model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        loader.load_state_dict(state["loader"])  # the same dict on every rank
 
     def save(metrics: dict) -> None:
         with tempfile.TemporaryDirectory() as d:
@@ -91,7 +98,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="data/demo")
     p.add_argument("--label", default="label")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", default="2", help="N, or MIN:MAX for elastic training")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
@@ -101,14 +108,16 @@ def main() -> None:
     p.add_argument("--storage", default=os.path.abspath("runs"))
     args = p.parse_args()
 
-    ray.init(address=os.environ.get("RAY_ADDRESS", "local"), num_cpus=max(4, args.workers + 2))
-    plan = pipeline.prepare(args.data, label=args.label, world_size=args.workers)
+    workers = tuple(int(w) for w in args.workers.split(":")) if ":" in args.workers else int(args.workers)
+    most = workers[-1] if isinstance(workers, tuple) else workers
+    ray.init(address=os.environ.get("RAY_ADDRESS", "local"), num_cpus=max(4, most + 2))
+    plan = pipeline.prepare(args.data, label=args.label, world_size=most)  # rank_data re-plans for fewer
     print("\n".join(plan.describe()))
     trainer = TorchTrainer(
         loop,
         train_loop_config={"plan": plan, "batch_size": args.batch_size, "seed": args.seed, "epochs": args.epochs,
                            "every": args.checkpoint_every, "fail_at_step": args.fail_at_step, "trace": args.trace},
-        scaling_config=ScalingConfig(num_workers=args.workers),
+        scaling_config=ScalingConfig(num_workers=workers),
         run_config=RunConfig(storage_path=args.storage, checkpoint_config=CheckpointConfig(num_to_keep=2),
                              failure_config=FailureConfig(max_failures=2)),
         **plan.trainer_kwargs(),  # the plan's datasets and DataConfig; pass yours as trainer_kwargs(datasets=...)
