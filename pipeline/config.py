@@ -182,9 +182,7 @@ class TrainSection(_Section):
     @field_validator("num_workers", mode="before")
     @classmethod
     def _workers_list(cls, v):
-        if isinstance(v, str) and v.startswith("["):  # --train.num_workers [1,3]
-            v = [int(x) for x in v.strip("[]").split(",")]
-        return tuple(v) if isinstance(v, list) else v
+        return tuple(v) if isinstance(v, list) else v  # num_workers = [1, 4] (TOML, or --train.num_workers [1,4])
 
     @model_validator(mode="after")
     def _hidden_positive(self) -> "TrainSection":

@@ -10,6 +10,12 @@ def write(tmp_path, text):
     return p
 
 
+def test_elastic_workers_are_a_min_max_pair():
+    cfg = config.load("configs/demo.toml", {"train.num_workers": config.parse_flag_value("[1, 4]")})
+    assert cfg.train.workers_range == (1, 4) and cfg.train.workers == 4
+    assert config.load("configs/demo.toml", {"train.num_workers": 3}).train.workers_range == (3, 3)
+
+
 def test_demo_config_loads_and_flags_win():
     cfg = config.load("configs/demo.toml", {"train.epochs": 7, "train.hidden": [4, 2]})
     assert cfg.train.epochs == 7 and cfg.train.hidden == (4, 2)
@@ -27,6 +33,8 @@ def test_flag_values_are_toml(text):
     ("[trian]\nepochs = 3\n", ["unknown config section 'trian'", "did you mean 'train'"]),
     ("[train]\nepochs = 'many'\n", ["train.epochs", "'many'", "integer"]),
     ("[train]\nbatch_size = 0\n", ["train.batch_size", "greater than or equal to 1"]),
+    ("[train]\nnum_workers = [3, 1]\n", ["train.num_workers", "1 <= min <= max", "(3, 1)"]),
+    ("[train]\nnum_workers = 0\n", ["train.num_workers", "1 <= min <= max"]),
     ("[data]\nnumeric = ['a', 'a']\ncategorical = []\n", ["column 'a' is listed twice in data.numeric"]),
     ("[data]\nnumeric = ['a']\ncategorical = ['a']\n", ["column 'a' is listed twice in data.numeric and data.categorical"]),
     ("[data]\nlabel = ['y', 'y']\n", ["data.label lists a column twice"]),
