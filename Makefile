@@ -13,7 +13,7 @@ OLDEST_TESTS ?= tests/test_ray_versions.py tests/test_integration.py tests/test_
 # left out there (the full suite runs them on the newest Ray; they take the same code paths as those kept)
 OLDEST_SKIP  ?= time_line or memory_mapped or multiclass or regression
 
-.PHONY: setup demo test test-oldest-ray bench k8s clean
+.PHONY: setup demo test test-quick test-oldest-ray bench k8s clean
 
 # The image and the KubeRay manifests for one Ray version: `make k8s RAY_VERSION=2.55.0`.
 RAY_VERSION ?= $(shell sed -n 's/^ARG RAY_VERSION=//p' k8s/Dockerfile)
@@ -35,6 +35,10 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-oldest-ray
+
+# The inner loop: every test that needs neither Ray nor a whole job (`make test` is what CI runs).
+test-quick: setup
+	$(BIN)/python -m pytest -q --quick
 
 $(OLDEST_VENV)/.installed: pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(OLDEST_VENV)

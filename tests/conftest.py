@@ -15,6 +15,23 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--quick", action="store_true",
+                     help="the inner loop (make test-quick): leave out every test that starts Ray or runs a whole job")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--quick"):
+        return
+    keep, left = [], []
+    for item in items:
+        needs_ray = "ray_local" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ray") \
+            or item.get_closest_marker("slow")
+        (left if needs_ray else keep).append(item)
+    config.hook.pytest_deselected(items=left)
+    items[:] = keep
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """A private local Ray (address='local': never joins a leftover cluster), shut down at the end."""

@@ -246,8 +246,10 @@ def test_prepare_keywords_are_checked_and_configs_compose(tmp_path):
     assert plan.source.columns.categorical == ("color",) and plan.world_size == 3
     sizes = plan.train_sizes
     assert max(sizes) - min(sizes) <= 1 and max(plan.val_sizes) - min(plan.val_sizes) <= 1
-    with pytest.raises(pipeline.PipelineError, match="made for world_size=3"):
-        pipeline.rank_data(plan, rank=0, world_size=2)
+    two = pipeline.rank_data(plan, rank=0, world_size=2)  # another world size: re-planned from the same fit
+    assert two.plan.world_size == 2 and len(two.train) == two.plan.train_sizes[0] and two.plan.fitted is plan.fitted
+    with pytest.raises(pipeline.PipelineError, match="rank 2 is not one of world_size=2"):
+        pipeline.rank_data(plan, rank=2, world_size=2)
 
 
 def test_a_saved_fit_is_reused_while_the_data_is_unchanged_and_refused_after(tmp_path):
