@@ -14,7 +14,6 @@ Slow methods are measured over a time budget (their rate is steady after the fir
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -391,15 +390,6 @@ def _cmd(cfg, args) -> int:
     args.rows, args.repeats = args.rows or 2_000_000, args.repeats or 3
     res = run(args.rows, args.features, args.categorical, [int(b) for b in args.batch_sizes.split(",")],
               args.device, args.budget, not args.no_ray, args.repeats)
+    from .bench_report import report
+
     return report(res, table, plot, args)
-
-
-def report(res: dict, table_of: Callable[[dict], str], plot_to: Callable[[dict, str], None], args) -> int:
-    """Print the table, write the JSON (and the PNG unless --plot '')."""
-    print(table_of(res))
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=2)
-    if args.plot:
-        plot_to(res, args.plot)
-    print(f"\nwrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
-    return 0

@@ -285,7 +285,7 @@ def plot(res: dict, path: str) -> None:
 
 
 def main(args) -> int:
-    from .bench import report
+    from .bench_report import report
 
     res = run(args.rows or (10_000_000 if args.dataset == "demo" else 2_000_000), args.shards, args.world, args.data,
               args.repeats, args.read_share, args.dataset)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch

@@ -5,7 +5,6 @@ types, bad values), not by particular files, and files from other writers must s
 """
 
 import os
-import shutil
 
 import numpy as np
 import pandas as pd

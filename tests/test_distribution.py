@@ -6,7 +6,6 @@ import os
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from conftest import make_config
 from helpers import numbered_dataset, rows_of

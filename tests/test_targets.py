@@ -8,7 +8,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 import pipeline
 from pipeline import ConfigError, DataError
