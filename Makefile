@@ -33,7 +33,7 @@ demo: setup
 	$(BIN)/python -m pipeline train --config $(CONFIG)
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 	$(MAKE) test-oldest-ray
 
 # The inner loop: every test that needs neither Ray nor a whole job (`make test` is what CI runs).
