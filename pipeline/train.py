@@ -518,6 +518,17 @@ def check_resume(cfg: Config, out_uri: str) -> None:
                             f"run (run.resume = false)")
 
 
+def check_elastic(cfg: Config, scaling_config: type, ray_version: str) -> bool:
+    """Whether the run is elastic (train.num_workers = [min, max]); refused in one paragraph where this
+    Ray Train has no elastic ScalingConfig."""
+    lo, hi = cfg.train.workers_range
+    if lo != hi and not hasattr(scaling_config, "elasticity_enabled"):  # Ray Train V2's elastic ScalingConfig
+        raise PipelineError(f"train.num_workers = {[lo, hi]} asks for elastic training, which Ray Train has from Ray "
+                            f"2.60 (ScalingConfig(num_workers=(min, max))); this is Ray {ray_version}. Upgrade Ray, "
+                            f"or give train.num_workers one number")
+    return lo != hi
+
+
 def check_cluster_fits(workers: int, use_gpu: bool) -> None:
     """Stop at once, in one paragraph, when the cluster could never place the training workers (Ray
     Train would wait for them forever)."""
@@ -639,11 +650,7 @@ def run(cfg: Config, started: float | None = None, ray_s: float = 0.0,
             early.ray_span = (t0, t0 + ray_s)
     use_gpu = cfg.train.use_gpu == "true" or (cfg.train.use_gpu == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
     check_cluster_fits(cfg.train.workers_range[0], use_gpu)
-    elastic = cfg.train.workers_range[0] != cfg.train.workers_range[1]
-    if elastic and not hasattr(ScalingConfig, "elasticity_enabled"):  # Ray Train V2's elastic ScalingConfig
-        raise PipelineError(f"train.num_workers = {list(cfg.train.num_workers)} asks for elastic training, which Ray "
-                            f"Train has from Ray 2.60 (ScalingConfig(num_workers=(min, max))); this is Ray "
-                            f"{ray.__version__}. Upgrade Ray, or give train.num_workers one number")
+    elastic = check_elastic(cfg, ScalingConfig, ray.__version__)
     # Ray Train writes through the filesystem pipeline.storage builds (same endpoint, addressing style
     # and credentials as every other read and write), pickled to its controller and workers.
     storage_path, storage_filesystem = storage.ray_storage(cfg.run.output)

@@ -36,3 +36,22 @@ def test_the_installed_ray_is_in_the_declared_range():
     key = lambda v: tuple(int(x) for x in v.split("."))  # noqa: E731
     assert key(lo) <= key(ray.__version__) < key(hi)
     assert runtime.ray_at_least(lo) and not runtime.ray_at_least(hi)
+
+
+def test_elastic_training_is_refused_in_one_paragraph_where_this_ray_has_none():
+    """On this Ray: elastic where its ScalingConfig has it (2.60), else the paragraph (2.52.1 has none)."""
+    import ray
+    from ray.train import ScalingConfig
+
+    from pipeline import PipelineError, config, train
+
+    elastic = config.load("configs/demo.toml", {"train.num_workers": [1, 2]})
+    assert train.check_elastic(config.load("configs/demo.toml", {}), ScalingConfig, ray.__version__) is False
+    if hasattr(ScalingConfig, "elasticity_enabled"):
+        assert train.check_elastic(elastic, ScalingConfig, ray.__version__) is True
+        assert ScalingConfig(num_workers=elastic.train.workers_range).elasticity_enabled
+    else:
+        with pytest.raises(PipelineError, match=rf"elastic training.*this is Ray {ray.__version__}"):
+            train.check_elastic(elastic, ScalingConfig, ray.__version__)
+    with pytest.raises(PipelineError, match="train.num_workers = \\[1, 2\\] asks for elastic training"):
+        train.check_elastic(elastic, object, "2.0.0")
