@@ -23,7 +23,6 @@ from torch import nn
 
 import pipeline
 from pipeline import Config, DataError, NoUsableRows, PipelineError, StepStats, storage, timed
-from pipeline.sampler import steps_per_epoch
 
 CHECKPOINT_FILE = "state.pt"
 PREPROCESSOR_FILE = "preprocessor.json"
@@ -343,7 +342,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
 
     if rank == 0:
         sizes = plan.train_sizes
-        steps = steps_per_epoch(sizes, t.batch_size, t.drop_last)  # a plain epoch's (a resumed one may have fewer)
+        # a plain epoch's steps (a resumed one may have fewer): every rank the same, see pipeline.BatchSampler
+        steps = min(sizes) // t.batch_size if t.drop_last else -(-max(sizes) // t.batch_size)
         dropped = sum(max(0, n - steps * t.batch_size) for n in sizes) if t.drop_last else 0
         print(f"[train] {world} worker(s) on {device.type}, placement={loader.placement}; training rows per rank "
               f"{sizes}; {steps} steps/epoch of {t.batch_size}; drop_last remainder {dropped} rows/epoch", flush=True)
