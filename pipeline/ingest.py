@@ -91,9 +91,8 @@ class IngestPlan:
 
     def with_train_span(self, rank: int, lo: int, hi: int) -> "IngestPlan":
         """rank reads training positions [lo, hi) instead of its block (a resume on another world size)."""
-        counts = {k: u[0] for k, u in self.accounting.used_by_fragment.items()}
         shares = list(self.train_shares)
-        shares[rank] = plan_shares(self.source.fragments, counts, 1, bounds=[(lo, hi)])[0]
+        shares[rank] = plan_shares(self.source.fragments, _used(self.accounting, 0), 1, bounds=[(lo, hi)])[0]
         return replace(self, train_shares=shares)
 
     def pieces(self, rank: int) -> list[Piece]:
@@ -165,10 +164,13 @@ _FIT_FORMAT = "pipeline.Fit/1"
 
 def _shares(src: Source, acct: Accounting, world: int, whole: bool) -> dict[str, list[list[Piece]]]:
     """Every rank's training and validation pieces: pure functions of the fit's counts and the world size."""
-    train_counts = {k: u[0] for k, u in acct.used_by_fragment.items()}
-    val_counts = {k: u[1] for k, u in acct.used_by_fragment.items()}
-    return {"train_shares": plan_shares(src.fragments, train_counts, world, whole=whole),
-            "val_shares": plan_shares(src.fragments, val_counts, world, val=True)}
+    return {"train_shares": plan_shares(src.fragments, _used(acct, 0), world, whole=whole),
+            "val_shares": plan_shares(src.fragments, _used(acct, 1), world, val=True)}
+
+
+def _used(acct: Accounting, which: int) -> dict[int, int]:
+    """fragment row_start -> the training (0) or validation (1) rows it yields after the screen."""
+    return {k: u[which] for k, u in acct.used_by_fragment.items()}
 
 
 def read_spec(cfg: Config, src: Source) -> ReadSpec:
