@@ -2,6 +2,7 @@
 checkpoint, a new process resumes the run, and from the checkpoint on every rank sees exactly the
 batches an uninterrupted run sees (compared by per-step digests of the row ids)."""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from helpers import expected_batches
@@ -56,9 +58,17 @@ def test_killed_run_resumes_exactly(tmp_path):
     while len(read_trace(run_dir, 0)) < 25 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
     assert proc.poll() is None, "the run ended before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)  # a real stop: driver, local Ray and training workers
+    # A real stop: driver, local Ray and training workers. Ray starts its workers in process groups of
+    # their own, so the whole tree is killed, and waited for: a worker that outlived its raylet for a
+    # moment would otherwise go on writing trace lines after `before` is read.
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    os.killpg(proc.pid, signal.SIGKILL)
+    for p in tree:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
     proc.wait()
-    time.sleep(2)
+    gone, alive = psutil.wait_procs(tree, timeout=60)
+    assert not alive, f"processes of the killed run still alive: {alive}"
     before = {r: read_trace(run_dir, r) for r in (0, 1)}
     assert 25 <= len(before[0]) < 2 * steps_per_epoch
     assert all(before[r] == expected[r][: len(before[r])] for r in (0, 1))  # the killed run was on track
