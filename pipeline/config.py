@@ -123,6 +123,10 @@ class CrossTransform(_Section):
 class PreprocessSection(_Section):
     vocab_max_size: int = Field(1000, ge=1, description="most frequent values kept per categorical column")
     vocab_min_count: int = Field(1, ge=1, description="values seen fewer times map to the unknown id")
+    vocab_partitions: int | Literal["auto"] = Field(
+        "auto", description="hash ranges the category counts are split into: on Ray one reducer task each, so no "
+                            "process holds every distinct value; \"auto\" is one per million rows (1 to 256). It lays "
+                            "out the vocabularies in parts; the ids are the same whatever it is")
     missing_indicator: bool = Field(True, description="add a 0/1 column per numeric feature that had nulls")
     standardize_target: bool = Field(True, description="regression targets: train on (y - mean) / std; "
                                                         "FittedPreprocessor.inverse_target undoes it")

@@ -35,7 +35,8 @@ from . import storage
 from .config import Config
 from .errors import ConfigError, DataError, NoUsableRows, PipelineError
 from .plan import Piece, plan_shares, rank_sizes
-from .preprocess import FittedPreprocessor, coverage_lines
+from .counts import partitions_for as shuffle_partitions
+from .preprocess import FittedPreprocessor, coverage_lines, shuffle_columns
 from .quality import Accounting
 from .source import Source, inspect, list_reasons
 from .tasks import ReadSpec, merge_fit
@@ -316,7 +317,15 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
         on_ray, fit_s = False, 0.0
         total_rows = acct.rows_used
     else:
-        total, acct = merge_fit(side.fit_records(src, spec, cfg.run.stall_timeout_s), src)
+        p = cfg.preprocess
+        partitions = shuffle_partitions(p.vocab_partitions, src.num_rows)
+        if on_ray:
+            records, shuffled = side.fit_records(src, spec, cfg.run.stall_timeout_s,
+                                                 (shuffle_columns(src.columns, p.vocab_max_size, p.vocab_min_count),
+                                                  partitions))
+        else:
+            records, shuffled = side.fit_records(src, spec, cfg.run.stall_timeout_s), None
+        total, acct = merge_fit(records, src)
         fit_s = time.perf_counter() - t1
         total_rows = total.rows
     if total_rows == 0:
@@ -328,7 +337,10 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
         fitted = FittedPreprocessor.load(fitted)
     fitted = fitted or FittedPreprocessor.from_stats(total, src.columns, max_size=p.vocab_max_size,
                                                      min_count=p.vocab_min_count, missing_indicator=p.missing_indicator,
-                                                     standardize_target=p.standardize_target)
+                                                     standardize_target=p.standardize_target,
+                                                     partitions=partitions, shuffled=shuffled)
+    if saved is None:
+        fit_s = time.perf_counter() - t1  # the vocabularies' cut and parts included
     plan = IngestPlan(cfg, src, fitted, acct, world, **_shares(src, acct, world, cfg.train.shuffle == "global"),
                       timings={"validate_s": t1 - t0, "fit_s": fit_s, "planned_at": time.time(),
                                "fit_on": f"reused {reuse}" if saved else "Ray" if on_ray else "this process"})

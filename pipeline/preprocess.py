@@ -19,16 +19,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from . import counts as shuffle
 from . import storage
 from . import vocab as vocab_file
 from .columns import Columns, as_float64, as_matrix, as_string, category_ids, count_merge, count_table, value_counts
 from .errors import DataError
-from .vocab import Vocabulary, as_vocabularies
+from .vocab import Parts, PartedVocabulary, Vocabulary, as_vocabularies, column_digest
 from .transforms import (CategoricalOp, FittedNumeric, NumericOp, Sketch, apply_function, apply_numeric, cross_hash,
                          cross_name, fit_numeric, fnv1a, hashed_ids, prescale, user_function)
 
 FORMAT = "pipeline.FittedPreprocessor"
-VERSION = 4  # 4: vocabularies in an Arrow IPC file beside the JSON (3 and older: inline lists, still read)
+VERSION = 5  # 5: vocabularies in parts by hash range, a folder beside the JSON; 4: one Arrow IPC file (older: inline)
 MAX_CLASSES = 2**24  # class ids travel as float32 in the packed rows: exact below 2**24
 
 
@@ -104,6 +105,7 @@ class PartialStats:
         for k in self.categories.keys() | o.categories.keys():
             parts = self.categories.get(k, []) + o.categories.get(k, [])
             out.categories[k] = parts if len(parts) <= _MERGE_EVERY else [count_merge(parts)]
+        for k in self.category_nulls.keys() | o.category_nulls.keys():  # (the counts may have gone to the shuffle)
             out.category_nulls[k] = self.category_nulls.get(k, 0) + o.category_nulls.get(k, 0)
         for k in self.target_counts.keys() | o.target_counts.keys():
             out.target_counts[k] = _add_counts(self.target_counts.get(k, {}), o.target_counts.get(k, {}))
@@ -134,6 +136,14 @@ def numeric_ops(cols) -> tuple[NumericOp, ...]:
 
 def categorical_ops(cols) -> tuple[CategoricalOp, ...]:
     return cols.categorical_ops or (CategoricalOp(),) * len(cols.categorical)
+
+
+def shuffle_columns(cols: Columns, max_size: int, min_count: int) -> list[shuffle.Column]:
+    """How each categorical feature (crosses included) is counted by the partitioned shuffle (counts.py)."""
+    out = [shuffle.Column(c, op.counted, op.min_count or min_count, op.max_size or max_size,
+                          op.buckets if op.encode != "vocab" else 0)
+           for c, op in zip(cols.categorical, categorical_ops(cols))]
+    return out + [shuffle.Column(cross_name(x), False, buckets=x.buckets) for x in cols.crosses]
 
 
 def partial_stats(table: pa.Table, cols: Columns) -> PartialStats:
@@ -208,42 +218,10 @@ class Transformed:
 UNKNOWN_WARN = 0.05  # a categorical column where more of the fit's rows than this map to "unknown" is warned about
 
 
-def coverage(counts: pa.Table, kept: Vocabulary, nulls: int, op: CategoricalOp | None = None) -> dict[str, Any]:
-    """What the vocabulary keeps of a categorical column, over the fit's training rows: distinct values
-    seen, values kept, nulls, and the share of the non-null rows whose value maps to the unknown id
-    (vocab+hash: to a hashed id, with the share of rows whose bucket another value shares)."""
-    rows = pc.sum(counts["n"]).as_py() or 0
-    inside = pc.is_in(counts["v"], value_set=kept.values)
-    covered = pc.sum(counts["n"].filter(inside)).as_py() or 0
-    out = {"distinct": counts.num_rows, "kept": len(kept), "nulls": nulls,
-           "unknown_share": (rows - covered) / rows if rows else 0.0}
-    if op is not None and op.encode == "vocab+hash":
-        rest = counts.filter(pc.invert(inside))
-        h, _ = fnv1a(rest["v"])
-        shared = hash_coverage(pa.table({"v": h, "n": rest["n"]}), op.buckets, 0)
-        out.update(unknown_share=0.0, hashed_share=(rows - covered) / rows if rows else 0.0, hashed_into=op.buckets,
-                   shared_bucket_share=shared["shared_bucket_share"] * (rows - covered) / rows if rows else 0.0)
-    return out
-
-
 def hash_counts(h: np.ndarray, valid: np.ndarray) -> pa.Table:
     """Rows per distinct 64-bit hash {v: uint64, n}: how a hashed column is counted."""
     values, n = np.unique(h[valid], return_counts=True)
     return pa.table({"v": pa.array(values, pa.uint64()), "n": pa.array(n, pa.int64())})
-
-
-def hash_coverage(counts: pa.Table, buckets: int, nulls: int) -> dict[str, Any]:
-    """A hashed column over the fit's rows: distinct values (by their 64-bit hash), buckets, and the share
-    of the non-null rows whose bucket holds two or more of the distinct values (a collision)."""
-    if not counts.num_rows:
-        return {"hashed_into": buckets, "distinct": 0, "nulls": nulls, "shared_bucket_share": 0.0}
-    h = counts["v"].to_numpy().astype(np.uint64)
-    n = counts["n"].to_numpy()
-    bucket = h % np.uint64(buckets)
-    _, inverse, per = np.unique(bucket, return_inverse=True, return_counts=True)
-    shared = per[inverse] >= 2
-    return {"hashed_into": buckets, "distinct": int(len(h)), "nulls": nulls,
-            "shared_bucket_share": float(n[shared].sum() / n.sum())}
 
 
 def coverage_lines(fitted: "FittedPreprocessor", max_size: int, min_count: int) -> list[str]:
@@ -325,7 +303,7 @@ class FittedPreprocessor:
     clips: tuple[tuple[float, ...], ...] = ()  # per feature slot: clip_quantiles' fitted (low, high); empty: none
 
     def __post_init__(self):
-        if not all(isinstance(v, Vocabulary) for v in self.vocab):
+        if not all(isinstance(v, (Vocabulary, PartedVocabulary)) for v in self.vocab):
             object.__setattr__(self, "vocab", as_vocabularies(self.vocab))
 
     @property
@@ -388,23 +366,26 @@ class FittedPreprocessor:
 
     @classmethod
     def from_stats(cls, s: PartialStats, cols: Columns, *, max_size: int, min_count: int, missing_indicator: bool,
-                   standardize_target: bool = False) -> "FittedPreprocessor":
+                   standardize_target: bool = False, partitions: int = 1,
+                   shuffled: tuple | None = None) -> "FittedPreprocessor":
+        """The fitted state from the merged partial statistics. The vocabularies come from the partitioned
+        count shuffle (counts.py): `shuffled` = (parts, reduce summaries, finalize summaries) when it ran
+        across the cluster (ray_side.shuffle_counts), otherwise it runs here over s.categories into
+        `partitions` parts; the ids are the same either way."""
         slots = []
         for c, op in zip(cols.numeric, numeric_ops(cols)):
             sketches = s.sketches.get(c) or [None] * len(s.numeric[c])
             # A constant (or all-null) slot gets scale 1, so it maps to 0 instead of dividing by zero.
             slots += [fit_numeric(op, n.count, float(n.mean), n.var, n.min, n.max, sk)
                       for n, sk in zip(s.numeric[c], sketches)]
-        vocab, cat_counts = [], {}
-        for c, op in zip(cols.categorical, categorical_ops(cols)):
-            if not op.counted:
-                vocab.append(())
-                continue
-            cat_counts[c] = t = s.counts(c)
-            kept = t.filter(pc.greater_equal(t["n"], op.min_count or min_count))
-            # most frequent first; ties by value, so it is deterministic
-            order = pc.sort_indices(kept, sort_keys=[("n", "descending"), ("v", "ascending")])
-            vocab.append(Vocabulary(kept["v"].take(order[:op.max_size or max_size])))
+        columns = shuffle_columns(cols, max_size, min_count)
+        if shuffled is None:  # the partitioned shuffle in this process, over the partial statistics' counts
+            shuffled = shuffle.in_process(s.categories, columns, partitions)
+        sources, first, second = shuffled
+        parts = Parts(sources)
+        vocab = [PartedVocabulary(c, parts, [x[c]["kept"] for x in second],
+                                  column_digest(len(second), [x[c]["digest"] for x in second]))
+                 if op.counted else Vocabulary() for c, op in zip(cols.categorical, categorical_ops(cols))]
         targets = []
         for t in cols.targets:
             counts = s.target_counts.get(t.name)
@@ -427,12 +408,7 @@ class FittedPreprocessor:
             "numeric": {c: {"count": sum(n.count for n in s.numeric[c]), "null_rows": s.null_rows.get(c, 0),
                             "min": min((n.min for n in s.numeric[c] if n.count), default=None),
                             "max": max((n.max for n in s.numeric[c] if n.count), default=None)} for c in cols.numeric},
-            "categorical": {**{c: coverage(cat_counts[c], v, s.category_nulls[c], op) if op.counted else
-                                hash_coverage(s.counts(c), op.buckets, s.category_nulls[c])
-                                for c, v, op in zip(cols.categorical, vocab, categorical_ops(cols))},
-                            **{cross_name(x): hash_coverage(s.counts(cross_name(x)), x.buckets,
-                                                            s.category_nulls.get(cross_name(x), 0))
-                               for x in cols.crosses}},
+            "categorical": shuffle.coverage(columns, first, second, s.category_nulls),
             "targets": {t.name: dict(sorted(s.target_counts[t.name].items())) if t.name in s.target_counts else
                         {"mean": s.target_moments[t.name].mean, "std": float(np.sqrt(s.target_moments[t.name].var)),
                          "min": s.target_moments[t.name].min, "max": s.target_moments[t.name].max}
@@ -596,6 +572,8 @@ class FittedPreprocessor:
         cats = []
         for c, v, op in zip(self.categorical, self.vocab, categorical_ops(self)):
             entry = {"name": c, "unknown_id": 0, **({"vocab_size": len(v)} if vocab_file else {"vocab": list(v)})}
+            if vocab_file and isinstance(v, PartedVocabulary):
+                entry.update(vocab_parts=list(v.sizes), vocab_digest=v.digest)
             if op != CategoricalOp():
                 entry["transform"] = _op_dict(op)
             cats.append(entry)
@@ -608,14 +586,26 @@ class FittedPreprocessor:
         }
 
     def state(self, uri: str) -> dict[str, Any]:
-        """to_dict for a JSON saved at `uri`, the vocabularies written beside it as an Arrow IPC file named
-        by their digest (written once: a fit.json and a preprocessor.json in one folder share it)."""
+        """to_dict for a JSON saved at `uri`, the vocabularies written beside it, named by their digest
+        (written once: a fit.json and a preprocessor.json in one folder share them): a fit's parts as a
+        folder of part files (each written by a task where the part is, under Ray), vocabularies built
+        otherwise as one Arrow IPC file."""
         if not any(len(v) for v in self.vocab):
             return self.to_dict()
+        parted = [v for v in self.vocab if isinstance(v, PartedVocabulary) and len(v)]
+        if parted and len({id(v.parts) for v in parted}) == 1 and all(
+                isinstance(v, PartedVocabulary) or not len(v) for v in self.vocab):
+            name = f"vocab-{self.vocab_digest}"
+            folder = _beside(uri, name)
+            last = storage.join(folder, f"part-{parted[0].partitions - 1:05d}")
+            if vocab_file.part_tag(last) != self.vocab_digest:
+                parted[0].parts.write(folder, [v.name for v in parted], self.vocab_digest)
+            return self.to_dict(vocab_file=name)
+        whole = tuple(v.whole() if isinstance(v, PartedVocabulary) else v for v in self.vocab)
         name = vocab_file.file_name(self.vocab_digest)
         fs, path = storage.filesystem(_beside(uri, name))
         if not storage.exists(fs, path):
-            vocab_file.write(_beside(uri, name), self.vocab, self.categorical, self.vocab_digest)
+            vocab_file.write(_beside(uri, name), whole, self.categorical, self.vocab_digest)
         return self.to_dict(vocab_file=name)
 
     @classmethod
@@ -667,7 +657,7 @@ def _beside(uri: str, name: str) -> str:
     return uri.rsplit("/", 1)[0] + "/" + name if "/" in uri else name
 
 
-def _vocabularies(d: dict[str, Any], uri: str | None) -> tuple[Vocabulary, ...]:
+def _vocabularies(d: dict[str, Any], uri: str | None) -> tuple:
     cats = d["categorical"]
     if "vocab_file" not in d:
         return tuple(Vocabulary(e["vocab"]) for e in cats)
@@ -675,7 +665,18 @@ def _vocabularies(d: dict[str, Any], uri: str | None) -> tuple[Vocabulary, ...]:
     if uri is None:
         raise ValueError(f"this fitted state keeps its vocabularies in {ref['name']!r} beside its JSON: load it with "
                          f"FittedPreprocessor.load(path) (or from_dict(d, path)) so the file can be found")
-    return vocab_file.read(_beside(uri, ref["name"]), [int(e["vocab_size"]) for e in cats], ref["digest"], uri)
+    if not any("vocab_parts" in e for e in cats):
+        return vocab_file.read(_beside(uri, ref["name"]), [int(e["vocab_size"]) for e in cats], ref["digest"], uri)
+    folder = _beside(uri, ref["name"])
+    n = max(len(e.get("vocab_parts", ())) for e in cats)
+    paths = [storage.join(folder, f"part-{q:05d}") for q in range(n)]
+    if vocab_file.part_tag(paths[-1]) != ref["digest"]:
+        raise DataError(f"'{uri}' keeps its vocabularies in the folder '{folder}', whose parts are missing or belong "
+                        f"to another fit (digest {vocab_file.part_tag(paths[-1])!r}, expected {ref['digest']!r}): the ids "
+                        f"would be wrong. Copy the folder saved with that JSON beside it, or fit again")
+    parts = Parts(paths)
+    return tuple(PartedVocabulary(e["name"], parts, e["vocab_parts"], e["vocab_digest"]) if "vocab_parts" in e
+                 else Vocabulary() for e in cats)
 
 
 def _importable(function: str) -> str:

@@ -71,37 +71,115 @@ def watched(items: Iterable, stall_s: float, waiting_for: Callable[[], str]) -> 
         yield x
 
 
-def _fit_group(spec: tasks.ReadSpec, group: list) -> list[tuple]:
-    return tasks.fit_group(spec, group)
+def _fit_group(spec: tasks.ReadSpec, group: list, columns: list, partitions: int) -> tuple:
+    out = tasks.fit_group_split(spec, group, columns, partitions)
+    return out if partitions else out[0]
 
 
-def fit_records(source, spec: tasks.ReadSpec, stall_s: float = 300.0) -> list[tuple]:
-    """tasks.fit_group over every group of a file's row groups (tasks.by_file), one plain Ray task each,
-    spread over the cluster; records in fragment order. Plain tasks, not a Ray Data pipeline: the
-    results are a few kilobytes each, and a Ray Data execution costs seconds to start (measured:
-    bench --mode preprocess). A task whose worker dies is retried by Ray."""
+def _reduce(columns: list, partition: int, *parts: dict) -> tuple[dict, dict]:
+    from . import counts
+
+    _fail_once("reduce_counts", partition)
+    return counts.reduce_counts(parts, columns)
+
+
+def _finalize(columns: list, merged: dict, cut: dict) -> tuple[dict, dict]:
+    from . import counts
+
+    return counts.finalize(merged, cut, columns)
+
+
+def _fail_once(stage: str, partition: int) -> None:
+    """Fault injection for the tests (PIPELINE_FAIL_ONCE=<folder>, set in a job's runtime_env): the first
+    attempt of partition 0's task of `stage` kills its own worker process, as a lost node would."""
+    import os
+
+    folder = os.environ.get("PIPELINE_FAIL_ONCE")
+    if folder and partition == 0:
+        marker = os.path.join(folder, f"{stage}-{partition}")
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), 9)
+
+
+def _wait_all(pending: dict, stall_s: float, what: str, total: int) -> dict:
+    """{index: result} of every pending ref {ref: index}, or a StallError after stall_s without one."""
     import ray
 
-    fit = ray.remote(num_cpus=1, max_retries=3)(_fit_group).options(name="fit_group", scheduling_strategy="SPREAD")
-    groups = tasks.fragment_groups(source.fragments)
-    spec_ref = ray.put(spec)
-    pending = {fit.remote(spec_ref, g): i for i, g in enumerate(groups)}
-    done: dict[int, list[tuple]] = {}
+    done: dict = {}
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=stall_s)
         if not ready:
-            free, total = cpus()
-            raise StallError(f"the fit pass made no progress for {stall_s:.0f}s ({len(done)} of {len(groups)} groups of "
-                             f"row groups fitted): its Ray tasks are not running. The cluster has {free:g} of {total:g} "
-                             f"CPUs free; free some (other jobs hold them), add nodes, or raise run.stall_timeout_s if "
-                             f"the storage is just slow")
+            free, all_cpus = cpus()
+            raise StallError(f"the fit pass made no progress for {stall_s:.0f}s ({len(done)} of {total} {what} done): its "
+                             f"Ray tasks are not running. The cluster has {free:g} of {all_cpus:g} CPUs free; free some "
+                             f"(other jobs hold them), add nodes, or raise run.stall_timeout_s if the storage is just slow")
         for ref in ready:
             try:
                 done[pending.pop(ref)] = ray.get(ref)
             except Exception as e:  # noqa: BLE001 - a task that failed outright (its own errors come back as records)
-                inner = find_pipeline_error(e)
-                raise (inner or e) from None
-    return [r for i in range(len(groups)) for r in done[i]]
+                raise _fit_failure(e) from None
+    return done
+
+
+def _fit_failure(e: BaseException) -> BaseException:
+    """A fit task's failure as the user should read it: the pipeline's own error, or one paragraph on an
+    object store or disk that filled up."""
+    import ray
+
+    inner = find_pipeline_error(e)
+    if inner is not None:
+        return inner
+    full = (ray.exceptions.ObjectStoreFullError, ray.exceptions.OutOfDiskError, ray.exceptions.OutOfMemoryError)
+    if isinstance(e, full) or isinstance(getattr(e, "cause", None), full):
+        from .errors import PipelineError
+
+        free = {n["NodeManagerAddress"]: n.get("Resources", {}).get("object_store_memory", 0) for n in ray.nodes()
+                if n.get("Alive")}
+        return PipelineError(f"the fit's category counts did not fit: {type(e).__name__}: {str(e).splitlines()[0]}. "
+                             f"Object store per node (bytes): {free}. The counts of every categorical column pass "
+                             f"through the object store (spilling to each node's disk): add nodes or memory, give Ray "
+                             f"more object store or spill space (ray start --object-store-memory, "
+                             f"object_spilling_directory), or raise preprocess.vocab_partitions so each reducer holds less")
+    return e
+
+
+def fit_records(source, spec: tasks.ReadSpec, stall_s: float = 300.0, shuffle: tuple | None = None) -> tuple:
+    """(records, shuffled): tasks.fit_group over every group of a file's row groups (tasks.by_file), one
+    plain Ray task each, spread over the cluster; records in fragment order. Plain tasks, not a Ray
+    Data pipeline: the results are a few kilobytes each, and a Ray Data execution costs seconds to
+    start (measured: bench --mode preprocess). A task whose worker dies is retried by Ray.
+
+    shuffle = (counts.Column list, P): the category counts do not come back here. Each fit task returns
+    them split into P hash ranges as objects of their own; P reducer tasks merge a range each, this
+    process picks the top-K cut from their histograms, and P finalize tasks build the vocabulary parts,
+    which stay in the object store (see counts.py). shuffled = (part refs, reduce summaries, finalize
+    summaries), or None without categorical columns."""
+    import ray
+
+    columns, partitions = shuffle if shuffle and shuffle[0] else ([], 0)
+    opts = dict(num_cpus=1, max_retries=3, scheduling_strategy="SPREAD")
+    fit = ray.remote(_fit_group).options(name="fit_group", num_returns=partitions + 1, **opts)
+    groups = tasks.fragment_groups(source.fragments)
+    spec_ref, cols_ref = ray.put(spec), ray.put(columns)
+    refs = [fit.remote(spec_ref, g, cols_ref, partitions) for g in groups]
+    heads = [r[0] if partitions else r for r in refs]
+    done = _wait_all({h: i for i, h in enumerate(heads)}, stall_s, "groups of row groups", len(groups))
+    records = [r for i in range(len(groups)) for r in done[i]]
+    if not partitions or any(len(r) == 3 for r in records):  # no categorical columns, or the fit failed
+        return records, None
+    reduce = ray.remote(_reduce).options(name="reduce_counts", num_returns=2, **opts)
+    first, merged = zip(*(reduce.remote(cols_ref, q, *(r[1 + q] for r in refs)) for q in range(partitions)))
+    del refs  # the map parts are freed once their reducers are done with them
+    summaries = _wait_all({s: q for q, s in enumerate(first)}, stall_s, "count reducers", partitions)
+    summaries = [summaries[q] for q in range(partitions)]
+    from . import counts
+
+    finalize = ray.remote(_finalize).options(name="finalize_vocabulary", num_returns=2, **opts)
+    second, parts = zip(*(finalize.remote(cols_ref, m, k) for m, k in zip(merged, counts.cuts(summaries, columns))))
+    del merged
+    done = _wait_all({s: q for q, s in enumerate(second)}, stall_s, "vocabulary parts", partitions)
+    return records, (list(parts), summaries, [done[q] for q in range(partitions)])
 
 
 def share_dataset(spec: tasks.ReadSpec, fitted, pieces: list, node_id: str | None = None, node_cpus: int = 1):

@@ -128,6 +128,22 @@ def fit_group(spec: ReadSpec, frags: list[Fragment]) -> list[tuple]:
         return [fit_fragment(spec, f, pf) for f in frags]
 
 
+def fit_group_split(spec: ReadSpec, frags: list[Fragment], columns: list, partitions: int) -> tuple:
+    """fit_group, with the group's category counts taken out of its records and split by hash range
+    (counts.split): (records, part 0, ..., part P-1). Under Ray each part is a return value of its own,
+    left in the object store for its reducer."""
+    from . import counts as shuffle
+    from .columns import count_merge
+
+    records = fit_group(spec, frags)
+    tables: dict[str, list] = {c.name: [] for c in columns}
+    for r in records:
+        if len(r) == 6 and r[2] is not None:
+            for c in columns:
+                tables[c.name] += r[2].categories.pop(c.name, [])
+    return (records, *shuffle.split({k: count_merge(v) for k, v in tables.items()}, columns, partitions))
+
+
 def fragment_groups(fragments) -> list[list[Fragment]]:
     return by_file(list(fragments), lambda f: f.path, lambda f: f.num_rows)
 

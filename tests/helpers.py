@@ -57,3 +57,17 @@ def expected_batches(n: int, world: int, batch: int, epochs: int, seed: int = 0,
             for k, idx in enumerate(s, 1):
                 out[(r, e, k)] = t[idx.numpy()]
     return out, sizes, s.steps
+
+
+def fnv1a64(text: str) -> int:
+    """64-bit FNV-1a of the UTF-8 text, written out here (the reference for pipeline's vectorised one)."""
+    h = 0xcbf29ce484222325
+    for b in text.encode():
+        h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def vocab_order(counts) -> list[str]:
+    """The documented id order of a vocabulary: most rows first, ties by FNV-1a hash, then by text.
+    counts: (value, rows) pairs."""
+    return [v for v, _ in sorted(counts, key=lambda t: (-t[1], fnv1a64(t[0]), t[0]))]

@@ -5,6 +5,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
+from helpers import vocab_order
 from pipeline.columns import Columns, Target
 from pipeline.preprocess import FittedPreprocessor, PartialStats, partial_stats
 
@@ -53,8 +54,8 @@ def reference(df_fit: pd.DataFrame, df: pd.DataFrame, max_size=100, min_count=1)
     ids = []
     for c in CAT:
         counts = df_fit[c].dropna().astype(str).value_counts()
-        kept = sorted(((v, n) for v, n in counts.items() if n >= min_count), key=lambda t: (-t[1], t[0]))[:max_size]
-        lookup = {v: i + 1 for i, (v, _) in enumerate(kept)}
+        kept = vocab_order((v, n) for v, n in counts.items() if n >= min_count)[:max_size]
+        lookup = {v: i + 1 for i, v in enumerate(kept)}
         ids.append(df[c].map(lambda v: lookup.get(str(v), 0) if v is not None and v == v else 0).to_numpy())
     return x, np.stack(ids, 1).astype(np.int32)
 

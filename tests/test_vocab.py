@@ -4,6 +4,7 @@ travels to tasks as references, not values."""
 
 import os
 import pickle
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -59,12 +60,14 @@ def test_a_vocabulary_reads_as_a_sequence_of_str():
 
 def test_saved_vocabularies_live_beside_the_json_and_round_trip(tmp_path):
     df = frame(4000, 3)
-    fitted = fit_local(df)
+    fitted = fit_local(df, partitions=3)
     fitted.save(str(tmp_path / "preprocessor.json"))
     fitted.save(str(tmp_path / "again.json"))
     files = sorted(os.listdir(tmp_path))
-    arrow = [f for f in files if f.endswith(".arrow")]
-    assert len(arrow) == 1, files  # two JSONs of one fit share one vocabulary file
+    folders = [f for f in files if f.startswith("vocab-")]
+    assert len(folders) == 1, files  # two JSONs of one fit share one folder of vocabulary parts
+    assert sorted(os.listdir(tmp_path / folders[0])) == [f"part-{q:05d}{x}" for q in range(3)
+                                                         for x in (".arrow", ".index.arrow")]
     text = (tmp_path / "preprocessor.json").read_text()
     assert '"vocab"' not in text and '"vocab_size"' in text and "green" not in text  # no value in the JSON
     loaded = FittedPreprocessor.load(str(tmp_path / "preprocessor.json"))
@@ -72,18 +75,28 @@ def test_saved_vocabularies_live_beside_the_json_and_round_trip(tmp_path):
     assert loaded.transform(df).x_cat.tobytes() == fitted.transform(df).x_cat.tobytes()
 
 
-def test_a_missing_or_foreign_vocabulary_file_is_refused(tmp_path):
-    a, b = fit_local(frame(3000, 1)), fit_local(frame(3000, 2), max_size=3)
+def test_one_vocabulary_file_of_version_4_round_trips(tmp_path):
+    """Vocabularies built outside a fit (or loaded from version 4) are saved as one Arrow file."""
+    df = frame(4000, 3)
+    fitted = replace(fit_local(df), vocab=tuple(v.whole() for v in fit_local(df).vocab))
+    fitted.save(str(tmp_path / "preprocessor.json"))
+    assert [f for f in os.listdir(tmp_path) if f.endswith(".arrow")]
+    loaded = FittedPreprocessor.load(str(tmp_path / "preprocessor.json"))
+    assert loaded == fitted and loaded.transform(df).x_cat.tobytes() == fitted.transform(df).x_cat.tobytes()
+
+
+def test_a_missing_or_foreign_vocabulary_folder_is_refused(tmp_path):
+    a, b = fit_local(frame(3000, 1), partitions=2), fit_local(frame(3000, 2), max_size=3, partitions=2)
     a.save(str(tmp_path / "a.json"))
     b.save(str(tmp_path / "b" / "b.json"))
-    (arrow,) = [f for f in os.listdir(tmp_path) if f.endswith(".arrow")]
-    (other,) = [f for f in os.listdir(tmp_path / "b") if f.endswith(".arrow")]
-    os.replace(tmp_path / "b" / other, tmp_path / "elsewhere.arrow")
-    with pytest.raises(PipelineError, match="cannot be read.*Copy the file with the JSON"):
+    (mine,) = [f for f in os.listdir(tmp_path) if f.startswith("vocab-")]
+    (other,) = [f for f in os.listdir(tmp_path / "b") if f.startswith("vocab-")]
+    os.replace(tmp_path / "b" / other, tmp_path / "elsewhere")
+    with pytest.raises(PipelineError, match="missing or belong to another fit.*Copy the folder"):
         FittedPreprocessor.load(str(tmp_path / "b" / "b.json"))
-    os.replace(tmp_path / arrow, tmp_path / "keep.arrow")
-    os.replace(tmp_path / "elsewhere.arrow", tmp_path / arrow)  # b's vocabularies under a's name
-    with pytest.raises(PipelineError, match="other vocabularies.*the ids would be wrong"):
+    os.replace(tmp_path / mine, tmp_path / "keep")
+    os.replace(tmp_path / "elsewhere", tmp_path / mine)  # b's vocabularies under a's name
+    with pytest.raises(PipelineError, match="belong to another fit.*the ids would be wrong"):
         FittedPreprocessor.load(str(tmp_path / "a.json"))
 
 
@@ -120,4 +133,4 @@ def test_under_ray_tasks_get_vocabularies_by_reference(ray_local):
     table = pa.Table.from_pandas(df, preserve_index=False)
     np.testing.assert_array_equal(ray.get(ids_there.remote(shared, table)), fitted.transform(table).x_cat)
     restored = pickle.loads(pickle.dumps(shared.unshared()))  # what IngestPlan.save writes: by value
-    assert restored == fitted and restored.vocab[0]._ref is None
+    assert restored == fitted and restored.vocab[0].parts.job is None
