@@ -58,6 +58,9 @@ CLUSTER_SCRIPT = textwrap.dedent('''
     # elastic: one CPU a worker node, so losing one leaves room for one training worker, not two
     node_cpus = 1 if mode == "elastic" else 2
     small = {**small, "node_ip_address": "127.0.0.1"}  # loopback only (with LOOPBACK_ONLY in the environment)
+    if mode == "plain":  # the first attempt of count reducer 0 kills its own worker (ray_side._fail_once)
+        os.environ["PIPELINE_FAIL_ONCE"] = os.path.join(out, "faults")
+        os.makedirs(os.environ["PIPELINE_FAIL_ONCE"], exist_ok=True)
     cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=head_cpus, include_dashboard=False, **small))
     nodes = {"head": cluster.head_node,
              "a": cluster.add_node(num_cpus=node_cpus, resources={"node_a": 1}, **small),
@@ -78,6 +81,7 @@ CLUSTER_SCRIPT = textwrap.dedent('''
                               "train.elastic_resize_s": 2.0, "train.epochs": %(elastic_epochs)d})
         else:  # the plain run takes the Ray Data path: tasks pinned to each rank's node, through the DataConfig
             overrides["loader.read_share"] = "ray_data"
+            overrides["preprocess.vocab_partitions"] = 3  # three count reducers, spread over the nodes
         if "train.placement_strategy" in config.keys():
             overrides["train.placement_strategy"] = "SPREAD"
             summary["spread_by"] = "config"
@@ -312,6 +316,27 @@ def test_cluster_spreads_ranks_and_splits_rows_exactly(plain_run):
         trace = read_trace(run_dir / f"trace-rank{r}.txt")
         assert [(e, k) for e, k, _ in trace] == [(e, k) for e in range(EPOCHS) for k in range(1, steps + 1)]
         assert [h for _, _, h in trace] == [digest(expected[(r, e, k)]) for e, k, _ in trace]
+
+
+def test_a_count_reducer_lost_mid_fit_is_retried_and_the_ids_equal_one_process_fit(plain_run):
+    """The plain run's fit ran on the cluster as a partitioned shuffle of the category counts: three
+    reducers, the first attempt of one killed (its worker process died, as on a lost node). Ray ran it
+    again, and the vocabularies it saved give exactly the ids of the same fit in one process, whatever
+    the number of parts."""
+    import pyarrow.parquet as pq
+
+    import pipeline
+
+    summary, text, run_dir = plain_run
+    assert (run_dir.parent / "faults" / "reduce_counts-0").exists(), "the reducer was never killed"
+    assert re.search(r"\[fit\] one pass in [0-9.]+s \(Ray\)", text), text[-4000:]
+    on_cluster = pipeline.FittedPreprocessor.load(str(run_dir / "preprocessor.json"))
+    assert {v.partitions for v in on_cluster.vocab if len(v)} == {3}
+    here = pipeline.prepare(str(run_dir.parent.parent / "data"), use_ray=False, world_size=1, vocab_partitions=1).fitted
+    assert [list(v) for v in on_cluster.vocab] == [list(v) for v in here.vocab]
+    table = pq.read_table(next((run_dir.parent.parent / "data").glob("*.parquet")))
+    np.testing.assert_array_equal(on_cluster.transform(table).x_cat, here.transform(table).x_cat)
+    assert on_cluster.stats["categorical"] == here.stats["categorical"]
 
 
 def test_cluster_node_loss_resumes_mid_epoch_exactly(tmp_path, plain_run):
