@@ -363,6 +363,12 @@ def add_parser(sub, add_config_flags) -> None:
     p.add_argument("--data", default=None, help="preprocess: where the files are (default data/bench-<rows>)")
     p.add_argument("--read-share", choices=["worker", "ray_data"], default="worker",
                    help="preprocess: who reads each rank's share (loader.read_share)")
+    p.add_argument("--scale", default=None, metavar="ROWS,ROWS,...",
+                   help="preprocess: the fit on a 3-node Ray cluster as Criteo-shaped data grows, every value kept "
+                        "(driver and reducer memory, fit time against the hand-written counting pass, ids against a "
+                        "fit in one process): see `pipeline/bench_scale.py`")
+    p.add_argument("--partitions", default="auto", help="preprocess --scale: preprocess.vocab_partitions")
+    p.add_argument("--no-check-ids", action="store_true", help="preprocess --scale: skip the fit in one process")
     p.add_argument("--features", type=int, default=32)
     p.add_argument("--categorical", type=int, default=4)
     p.add_argument("--batch-sizes", default="256,4096", help="comma-separated")
@@ -386,6 +392,13 @@ def _cmd(cfg, args) -> int:
             args.out = "bench-preprocess.json"
         if args.plot == "bench.png":
             args.plot = "bench-preprocess.png"
+        if args.scale:
+            from . import bench_scale
+
+            args.out, args.plot = args.out.replace("preprocess", "scale"), args.plot.replace("preprocess", "scale")
+            args.partitions = args.partitions if args.partitions == "auto" else int(args.partitions)
+            args.shards = args.shards if args.shards != 32 else 64
+            return bench_scale.main(args)
         return bench_preprocess.main(args)
     args.rows, args.repeats = args.rows or 2_000_000, args.repeats or 3
     res = run(args.rows, args.features, args.categorical, [int(b) for b in args.batch_sizes.split(",")],

@@ -176,6 +176,13 @@ def _rank_read(plan, rank: int, how: str) -> dict:
             "pss_peak_extra": max(peak[1], p) - base[1]}
 
 
+def _size(path: str) -> int:
+    """Bytes of a file, or of every file in a folder."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+
+
 def project(path: str, world: int, how: str, dataset: str = "demo") -> dict:
     import ray
 
@@ -197,7 +204,7 @@ def project(path: str, world: int, how: str, dataset: str = "demo") -> dict:
     with tempfile.TemporaryDirectory() as d:  # the fitted state a job saves, and what loading it costs
         plan.save_fit(f"{d}/fit.json")
         plan.fitted.save(f"{d}/preprocessor.json")
-        sizes = {n: os.path.getsize(f"{d}/{n}") for n in os.listdir(d)}  # the JSONs and their vocabulary file
+        sizes = {n: _size(f"{d}/{n}") for n in os.listdir(d)}  # the JSONs and their vocabulary folder
         t2 = time.perf_counter()
         pipeline.FittedPreprocessor.load(f"{d}/preprocessor.json")
         load_s = time.perf_counter() - t2

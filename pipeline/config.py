@@ -125,7 +125,7 @@ class PreprocessSection(_Section):
     vocab_min_count: int = Field(1, ge=1, description="values seen fewer times map to the unknown id")
     vocab_partitions: int | Literal["auto"] = Field(
         "auto", description="hash ranges the category counts are split into: on Ray one reducer task each, so no "
-                            "process holds every distinct value; \"auto\" is one per million rows (1 to 256). It lays "
+                            "process holds every distinct value; \"auto\" is one per 4M rows (1 to 64). It lays "
                             "out the vocabularies in parts; the ids are the same whatever it is")
     missing_indicator: bool = Field(True, description="add a 0/1 column per numeric feature that had nulls")
     standardize_target: bool = Field(True, description="regression targets: train on (y - mean) / std; "

@@ -35,13 +35,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-MAX_AUTO_PARTITIONS = 256
-ROWS_PER_PARTITION = 1_000_000  # "auto": one hash range per million rows of the source, 1 to 256
+MAX_AUTO_PARTITIONS = 64
+# "auto": one hash range per 4M rows of the source, 1 to 64. Each fit task returns one object per range,
+# owned (with its lineage) by the process that plans the fit, so groups x P objects cost it memory:
+# measured on 8M Criteo-shaped rows, P = 8 added 9 MiB to the driver beside P = 1, P = 128 158 MiB
+# (the small objects Ray inlines into their owner). See bench_scale.py.
+ROWS_PER_PARTITION = 4_000_000
 
 
 def partitions_for(setting: int | str, rows: int) -> int:
-    """P: preprocess.vocab_partitions, or for "auto" one per million rows (1 to 256). It sets how the
-    counts and the vocabularies are laid out, never the ids."""
+    """P: preprocess.vocab_partitions, or for "auto" one per 4M rows (1 to 64). It sets how the counts
+    and the vocabularies are laid out, never the ids."""
     if setting != "auto":
         return int(setting)
     return int(min(MAX_AUTO_PARTITIONS, max(1, rows // ROWS_PER_PARTITION)))
@@ -113,9 +117,9 @@ def _merged(tables: list[pa.Table], counted: bool) -> pa.Table:
                          **({"v": pa.array([], pa.string())} if counted else {})})
     t = pa.concat_tables(tables, promote_options="permissive")
     if counted:  # by text (two texts may share a hash)
-        g = t.group_by("v").aggregate([("n", "sum"), ("h", "min")])
+        g = t.group_by("v", use_threads=False).aggregate([("n", "sum"), ("h", "min")])  # a task has one CPU
         return pa.table({"h": g["h_min"], "n": g["n_sum"], "v": g["v"]})
-    g = t.group_by("h").aggregate([("n", "sum")])
+    g = t.group_by("h", use_threads=False).aggregate([("n", "sum")])
     return pa.table({"h": g["h"], "n": g["n_sum"]})
 
 
@@ -196,7 +200,7 @@ def finalize(merged: dict[str, pa.Table], cut: dict[str, dict], columns: Sequenc
         if not c.counted:
             continue
         t, k = merged[c.name], cut[c.name]
-        t = t.take(pc.sort_indices(t, sort_keys=[("n", "descending"), ("h", "ascending"), ("v", "ascending")]))
+        t = t.take(pa.array(_order(t)))
         n = t["n"].to_numpy()
         # position of each row within its count (rows sorted by count): j
         starts = np.flatnonzero(np.concatenate([[True], n[1:] != n[:-1]])) if len(n) else np.zeros(0, np.int64)
@@ -214,6 +218,24 @@ def finalize(merged: dict[str, pa.Table], cut: dict[str, dict], columns: Sequenc
             s["buckets"] = _buckets(t.filter(pa.array(~keep)), c.buckets)
         summary[c.name] = s
     return summary, part
+
+
+def _order(t: pa.Table) -> np.ndarray:
+    """The rows of a count table {h, n, v} by count (descending), hash, then text: numpy's lexsort on the
+    two numbers, the text compared only where two values share a count and a 64-bit hash (almost never)."""
+    n, h = t["n"].to_numpy(), t["h"].to_numpy()
+    order = np.lexsort((h, -n))
+    hs, ns = h[order], n[order]
+    same = np.flatnonzero((hs[1:] == hs[:-1]) & (ns[1:] == ns[:-1]))
+    if same.size:
+        v = t["v"]
+        for start in np.unique(same):  # a run of values sharing count and hash: by text
+            end = start + 1
+            while end < len(order) and hs[end] == hs[start] and ns[end] == ns[start]:
+                end += 1
+            run = order[start:end]
+            order[start:end] = run[np.argsort(np.array(v.take(pa.array(run)).to_pylist(), dtype=object))]
+    return order
 
 
 def part_digest(hashes: np.ndarray, ids: np.ndarray) -> str:

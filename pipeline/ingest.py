@@ -286,6 +286,14 @@ def _fit_on_ray(fit_on: str) -> bool:
     return sum(1 for n in ray.nodes() if n.get("Alive")) > 1
 
 
+def shuffle_memory(shuffled: tuple) -> dict[str, int]:
+    """The count shuffle's reducer and finalize tasks: how many, and the most memory one of them held."""
+    _, first, second = shuffled
+    mem = [s["_memory"] for s in (*first, *second) if "_memory" in s]
+    return {"partitions": len(first), "task_rss_max": max((m["rss"] for m in mem), default=0),
+            "task_uss_max": max((m["uss"] for m in mem), default=0), **first[0].get("_seconds", {})}
+
+
 def prepare(path: str | None = None, *, world_size: int | None = None, config: Config | str | Path | None = None,
             fitted: FittedPreprocessor | str | None = None, fit_from: str | None = None, use_ray: bool | None = None,
             **data: Any) -> IngestPlan:
@@ -312,6 +320,7 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
     t1 = time.perf_counter()
     reuse = fit_from or cfg.run.fit_from
     saved = load_fit(reuse, cfg, src) if reuse else None
+    shuffled, partitions = None, 1
     if saved is not None:
         fitted, acct = fitted or saved[0], saved[1]
         on_ray, fit_s = False, 0.0
@@ -343,7 +352,8 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
         fit_s = time.perf_counter() - t1  # the vocabularies' cut and parts included
     plan = IngestPlan(cfg, src, fitted, acct, world, **_shares(src, acct, world, cfg.train.shuffle == "global"),
                       timings={"validate_s": t1 - t0, "fit_s": fit_s, "planned_at": time.time(),
-                               "fit_on": f"reused {reuse}" if saved else "Ray" if on_ray else "this process"})
+                               "fit_on": f"reused {reuse}" if saved else "Ray" if on_ray else "this process",
+                               **({"shuffle": shuffle_memory(shuffled)} if shuffled else {})})
     if _ray_ready():
         fitted.shared()  # tasks and training workers get the vocabularies from the object store, not pickled in
     if min(plan.train_sizes) == 0:
@@ -371,6 +381,10 @@ def _in_ray_train() -> bool:
 
 
 def _torch_dist():
+    import sys
+
+    if "torch" not in sys.modules:  # then no process group can be initialised here (and importing torch costs seconds)
+        return None
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None

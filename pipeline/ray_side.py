@@ -80,13 +80,25 @@ def _reduce(columns: list, partition: int, *parts: dict) -> tuple[dict, dict]:
     from . import counts
 
     _fail_once("reduce_counts", partition)
-    return counts.reduce_counts(parts, columns)
+    summary, merged = counts.reduce_counts(parts, columns)
+    summary["_memory"] = _memory_now()  # while the range's counts are all held: about the task's peak
+    return summary, merged
+
+
+def _memory_now() -> dict[str, int]:
+    """This worker process's resident and unique memory in bytes (what bench --scale reports of reducers)."""
+    import psutil
+
+    m = psutil.Process().memory_full_info()
+    return {"rss": int(m.rss), "uss": int(m.uss)}
 
 
 def _finalize(columns: list, merged: dict, cut: dict) -> tuple[dict, dict]:
     from . import counts
 
-    return counts.finalize(merged, cut, columns)
+    summary, part = counts.finalize(merged, cut, columns)
+    summary["_memory"] = _memory_now()
+    return summary, part
 
 
 def _fail_once(stage: str, partition: int) -> None:
@@ -134,10 +146,14 @@ def _fit_failure(e: BaseException) -> BaseException:
     if isinstance(e, full) or isinstance(getattr(e, "cause", None), full):
         from .errors import PipelineError
 
-        free = {n["NodeManagerAddress"]: n.get("Resources", {}).get("object_store_memory", 0) for n in ray.nodes()
-                if n.get("Alive")}
-        return PipelineError(f"the fit's category counts did not fit: {type(e).__name__}: {str(e).splitlines()[0]}. "
-                             f"Object store per node (bytes): {free}. The counts of every categorical column pass "
+        try:
+            stores = ", ".join(f"{n['NodeManagerAddress']}: {n.get('Resources', {}).get('object_store_memory', 0) / 2**30:.1f} GiB"
+                               for n in ray.nodes() if n.get("Alive"))
+        except Exception:  # noqa: BLE001 - the message goes out without the sizes rather than not at all
+            stores = "unknown"
+        first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
+        return PipelineError(f"the fit's category counts did not fit: {type(e).__name__}: {first}. Object store per "
+                             f"node: {stores}. The counts of every categorical column pass "
                              f"through the object store (spilling to each node's disk): add nodes or memory, give Ray "
                              f"more object store or spill space (ray start --object-store-memory, "
                              f"object_spilling_directory), or raise preprocess.vocab_partitions so each reducer holds less")
@@ -164,7 +180,9 @@ def fit_records(source, spec: tasks.ReadSpec, stall_s: float = 300.0, shuffle: t
     spec_ref, cols_ref = ray.put(spec), ray.put(columns)
     refs = [fit.remote(spec_ref, g, cols_ref, partitions) for g in groups]
     heads = [r[0] if partitions else r for r in refs]
+    t0 = time.perf_counter()
     done = _wait_all({h: i for i, h in enumerate(heads)}, stall_s, "groups of row groups", len(groups))
+    t1 = time.perf_counter()
     records = [r for i in range(len(groups)) for r in done[i]]
     if not partitions or any(len(r) == 3 for r in records):  # no categorical columns, or the fit failed
         return records, None
@@ -173,12 +191,14 @@ def fit_records(source, spec: tasks.ReadSpec, stall_s: float = 300.0, shuffle: t
     del refs  # the map parts are freed once their reducers are done with them
     summaries = _wait_all({s: q for q, s in enumerate(first)}, stall_s, "count reducers", partitions)
     summaries = [summaries[q] for q in range(partitions)]
+    t2 = time.perf_counter()
     from . import counts
 
     finalize = ray.remote(_finalize).options(name="finalize_vocabulary", num_returns=2, **opts)
     second, parts = zip(*(finalize.remote(cols_ref, m, k) for m, k in zip(merged, counts.cuts(summaries, columns))))
     del merged
     done = _wait_all({s: q for q, s in enumerate(second)}, stall_s, "vocabulary parts", partitions)
+    summaries[0]["_seconds"] = {"map": t1 - t0, "reduce": t2 - t1, "finalize": time.perf_counter() - t2}
     return records, (list(parts), summaries, [done[q] for q in range(partitions)])
 
 

@@ -452,10 +452,15 @@ def write_part(path: str, part: dict, names: list[str], tag: str) -> None:
     index = pa.schema([("index", pa.int32())], metadata=meta)
     for suffix, sch, batch in ((".arrow", schema, lambda v: [v[0].cast(text), pa.array(v[1]), pa.array(v[2])]),
                                (".index.arrow", index, lambda v: [pa.array(v[3])])):
-        with fs.open_output_stream(base + suffix + ".tmp") as out, pa.ipc.new_file(out, sch) as w:
-            for c in names:
-                w.write_batch(pa.record_batch(batch(part[c]), schema=sch))
-        fs.move(base + suffix + ".tmp", base + suffix)
+        try:
+            with fs.open_output_stream(base + suffix + ".tmp") as out, pa.ipc.new_file(out, sch) as w:
+                for c in names:
+                    w.write_batch(pa.record_batch(batch(part[c]), schema=sch))
+            fs.move(base + suffix + ".tmp", base + suffix)
+        except OSError as e:
+            size = sum(part[c][0].nbytes + 16 * len(part[c][1]) for c in names)
+            raise PipelineError(f"cannot write the vocabulary part '{path}{suffix}' (about {size:,} bytes of the "
+                                f"fitted state): {e}. Free space there or save the run elsewhere (run.output)") from None
 
 
 def read_part(path: str) -> dict:

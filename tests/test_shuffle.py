@@ -125,7 +125,7 @@ def test_a_lookup_loads_only_the_parts_it_touches(tmp_path):
 
 
 def test_partitions_auto_grows_with_the_rows():
-    assert [counts.partitions_for("auto", n) for n in (10, 2_000_000, 32_000_000, 4_200_000_000)] == [1, 2, 32, 256]
+    assert [counts.partitions_for("auto", n) for n in (10, 2_000_000, 32_000_000, 4_200_000_000)] == [1, 1, 8, 64]
     assert counts.partitions_for(7, 10) == 7
 
 
@@ -154,3 +154,49 @@ def test_on_ray_the_fit_gives_the_ids_of_one_process(ray_local, tmp_path):
     on_ray.save(str(tmp_path / "out" / "preprocessor.json"))  # parts written by tasks on this node
     loaded = FittedPreprocessor.load(str(tmp_path / "out" / "preprocessor.json"))
     np.testing.assert_array_equal(loaded.transform(table).x_cat, here.transform(table).x_cat)
+
+
+def test_values_sharing_a_count_and_a_hash_are_ordered_by_text():
+    """64-bit hashes collide about once in 2**32 pairs; forced here, the order falls back to the text."""
+    t = pa.table({"h": pa.array([5, 9, 5, 5, 1], pa.uint64()), "n": [3, 3, 3, 3, 3], "v": ["c", "x", "a", "b", "z"]})
+    assert t["v"].take(pa.array(counts._order(t))).to_pylist() == ["z", "a", "b", "c", "x"]
+
+
+def test_a_full_disk_is_one_paragraph_naming_the_file_and_the_size(tmp_path, monkeypatch):
+    """Saving the vocabulary parts where the disk is full (writes go to /dev/full: the kernel's ENOSPC)."""
+    from pipeline import storage
+    from pipeline.errors import PipelineError
+
+    fitted = fit(heavy_tailed(3_000, 500, seed=1), columns(), 2)
+
+    class Full:
+        def create_dir(self, *a, **k):
+            pass
+
+        def open_output_stream(self, path):
+            return pa.OSFile("/dev/full", "wb")
+
+        def move(self, a, b):
+            pass
+
+        def open_input_file(self, path):
+            raise FileNotFoundError(path)
+
+    real = storage.filesystem
+    monkeypatch.setattr(storage, "filesystem", lambda uri: (Full(), real(uri)[1]) if "vocab-" in uri else real(uri))
+    with pytest.raises(PipelineError) as e:
+        fitted.save(str(tmp_path / "p.json"))
+    text = str(e.value)
+    assert "part-00000.arrow" in text and "bytes" in text and "No space left" in text and "\n" not in text
+
+
+def test_a_full_object_store_is_one_paragraph_naming_the_sizes_and_the_fix():
+    import ray
+
+    from pipeline.ray_side import _fit_failure
+
+    e = _fit_failure(ray.exceptions.ObjectStoreFullError("Failed to put object abc in object store because it is "
+                                                         "full. Object size is 2147483648 bytes.\nmore lines"))
+    text = str(e)
+    assert "category counts did not fit" in text and "2147483648 bytes" in text and "Object store per node" in text
+    assert "vocab_partitions" in text and "\n" not in text
