@@ -10,7 +10,7 @@ from .config import Config
 # Ray internals this module reaches into, each for speed or quieter output only. Every use goes through
 # optional(): where an internal is missing or has moved (another Ray release), the project works the
 # same without that optimisation and says so once under --debug (PIPELINE_DEBUG=1), never a traceback.
-# The README lists which speed-up needs which Ray.
+# docs/ray-versions.md lists which speed-up needs which Ray.
 _SKIPPED: set[str] = set()
 
 
@@ -47,7 +47,7 @@ PRESTART_SETTING_SINCE = "2.52.0"
 # Ray 2.60 binds its GCS, raylet, object manager and workers to every interface (and some agents to the
 # node's external address); it binds them to 127.0.0.1 only when it takes the node's address to be
 # 127.0.0.1, which this variable makes it do (the code path Ray uses on macOS and Windows). A real
-# cluster (run.ray_address, `ray job submit`) is left as its operator set it up: see the README.
+# cluster (run.ray_address, `ray job submit`) is left as its operator set it up: see docs/deploy.md.
 LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 

@@ -633,7 +633,7 @@ def run(cfg: Config, started: float | None = None, ray_s: float = 0.0,
     if not cfg.data.targets:
         raise PipelineError("data.label is empty, so there is nothing for the built-in train job to learn; name the "
                             "target column(s) with data.label, or read unlabelled rows through pipeline.prepare and "
-                            "pipeline.rank_data in your own loop (README: 'Your own training loop')")
+                            "pipeline.rank_data in your own loop (docs/api.md)")
     name = run_name(cfg)
     out_uri = storage.join(cfg.run.output, name)
     t_start = time.perf_counter()

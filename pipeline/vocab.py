@@ -18,7 +18,7 @@ rebuilds its hash table over the whole vocabulary at every call.
 
 Built once per process: on the driver when fitted or loaded; in Ray tasks and Ray Train workers from the
 object store (`share`), so the ranks of a node map the same pages instead of each holding a copy; in
-torchrun processes from the memory-mapped file. See the README for the memory a vocabulary costs.
+torchrun processes from the memory-mapped file. See docs/preprocessing.md for the memory a vocabulary costs.
 """
 
 from __future__ import annotations

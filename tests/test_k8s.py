@@ -529,10 +529,10 @@ def test_rayjob_entrypoint_uses_gpus_and_valid_config_flags(rayjob_doc):
 
 
 def test_readme_commands_name_the_manifests():
-    readme = next((p for p in (K8S / "README.md", REPO / "README.md")
+    readme = next((p for p in (K8S / "README.md", REPO / "docs" / "deploy.md", REPO / "README.md")
                    if p.is_file() and "Run on Kubernetes" in p.read_text()), None)
     if readme is None:
-        pytest.skip("no 'Run on Kubernetes' section in k8s/README.md or README.md")
+        pytest.skip("no 'Run on Kubernetes' section in k8s/README.md, docs/deploy.md or README.md")
     text = readme.read_text()
     job, cluster = load_doc(RAYJOB_FILE)["metadata"]["name"], load_doc(RAYCLUSTER_FILE)["metadata"]["name"]
     for needle in (f"rayjob {job}", f"svc/{cluster}-head-svc", "--version 1.7.0", "-f k8s/Dockerfile",

@@ -73,7 +73,7 @@ def test_a_local_job_listens_on_loopback_only(tmp_path, dashboard):
     assert bool(modules) == (dashboard == "true"), sorted(titles.values())
     wide = {k: v for k, v in seen.items() if k[1] not in LOOPBACK}
     # One exception, not Ray's: torch.distributed's TCPStore (the DDP rendezvous Ray Train starts in
-    # rank 0's worker) binds every interface and torch has no setting to narrow it (README: Security).
+    # rank 0's worker) binds every interface and torch has no setting to narrow it (docs/deploy.md: Security).
     # It is known by the process that opened it, not by the title that process had when its socket
     # was sampled (Ray retitles a worker for every call it runs: `ray::execute._propagate_data_context`):
     # at most one port, in a process that was a Ray Train worker at some point of the run.
