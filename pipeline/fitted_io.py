@@ -6,6 +6,7 @@ these as methods (`save`, `load`, `to_dict`, `from_dict`, `state`).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -177,3 +178,13 @@ def _op_of(kind, d: dict[str, Any] | None):
         if k in d and d[k] is None:
             d[k] = -np.inf if k == "clip_min" else np.inf
     return kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+def on_files(fp, uri: str):
+    """The fitted state with its vocabulary parts written beside `uri` (as `state` writes them) and read
+    from there: pickled, it names the files instead of carrying the values, and every process that
+    loads it maps the same pages (the processes of a torchrun node, IngestPlan.load)."""
+    d = state(fp, uri)
+    if not any("vocab_parts" in e for e in d["categorical"]):
+        return fp.unshared()
+    return replace(fp, vocab=_vocabularies(d, uri))

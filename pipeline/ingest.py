@@ -145,10 +145,17 @@ class IngestPlan:
                                  "accounting": self.accounting.to_state()})
 
     def save(self, uri: str) -> None:
-        """Pickle the plan to a file or URI (load it with IngestPlan.load in the same code version)."""
+        """Pickle the plan to a file or URI (load it with IngestPlan.load in the same code version). The
+        vocabularies go beside it as their parts' files (`vocab-<digest>/`), which the pickle names: every
+        process that loads the plan (torchrun ranks of a node) maps the same pages instead of holding a
+        copy, and the pickle stays small. Copy the folder with the plan."""
+        from . import fitted_io
+
+        uri = os.path.abspath(uri) if storage.is_local(uri) else uri
+        fitted = fitted_io.on_files(self.fitted, uri)  # no object refs
         fs, path = storage.filesystem(uri)
         with fs.open_output_stream(path) as out:
-            out.write(pickle.dumps((_PLAN_FORMAT, replace(self, fitted=self.fitted.unshared()))))  # no object refs
+            out.write(pickle.dumps((_PLAN_FORMAT, replace(self, fitted=fitted))))
 
     @classmethod
     def load(cls, uri: str) -> "IngestPlan":

@@ -8,6 +8,7 @@ import pickle
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from helpers import fnv1a64, vocab_order
@@ -140,7 +141,7 @@ def test_on_ray_the_fit_gives_the_ids_of_one_process(ray_local, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     for i, part in enumerate(np.array_split(np.arange(len(df)), 4)):
-        pa.parquet.write_table(pa.Table.from_pandas(df.iloc[part], preserve_index=False), data / f"p{i}.parquet",
+        pq.write_table(pa.Table.from_pandas(df.iloc[part], preserve_index=False), data / f"p{i}.parquet",
                                row_group_size=3_000)
     kw = dict(label="label", numeric=["x"], categorical=["a", "b", "h"], world_size=1, vocab_max_size=500,
               vocab_min_count=2, val_fraction=0.0)
@@ -200,3 +201,28 @@ def test_a_full_object_store_is_one_paragraph_naming_the_sizes_and_the_fix():
     text = str(e)
     assert "category counts did not fit" in text and "2147483648 bytes" in text and "Object store per node" in text
     assert "vocab_partitions" in text and "\n" not in text
+
+
+def test_a_saved_plan_names_its_vocabulary_files_and_loading_maps_them(tmp_path):
+    """IngestPlan.save writes the parts beside the plan and pickles their file names: each process that
+    loads it (the torchrun ranks of a node) memory-maps the same files instead of holding a copy."""
+    import os
+
+    import pipeline
+
+    df = heavy_tailed(40_000, 50_000, seed=3)
+    data = tmp_path / "data"
+    data.mkdir()
+    pq.write_table(pa.Table.from_pandas(df, preserve_index=False), data / "p.parquet")
+    plan = pipeline.prepare(str(data), use_ray=False, world_size=2, label="label", numeric=["x"],
+                            categorical=["a", "b", "h"], vocab_partitions=3, vocab_max_size=10**6)
+    plan.save(str(tmp_path / "plan.pkl"))
+    (folder,) = [f for f in os.listdir(tmp_path) if f.startswith("vocab-")]
+    values = sum(len(v) for v in plan.fitted.vocab)
+    assert values > 5_000 and os.path.getsize(tmp_path / "plan.pkl") < 64 * 1024  # names, not values
+    loaded = pipeline.IngestPlan.load(str(tmp_path / "plan.pkl"))
+    assert all(isinstance(s, str) and folder in s for s in loaded.fitted.vocab[0].parts.sources)
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    np.testing.assert_array_equal(loaded.fitted.transform(table).x_cat, plan.fitted.transform(table).x_cat)
+    maps = open("/proc/self/maps").read()
+    assert f"{folder}/part-00000.arrow" in maps and f"{folder}/part-00000.index.arrow" in maps
