@@ -3,8 +3,8 @@
     torchrun --standalone --nproc_per_node 2 examples/torchrun_loop.py --data data/demo --label label
 
 Every process calls `pipeline.prepare` (on small data each fits the same statistics in-process; on
-large data let rank 0 prepare and `plan.save(path)`, then the others `pipeline.IngestPlan.load(path)`: they map the vocabulary files saved beside it
-after a barrier) and `pipeline.rank_data`, which takes rank and world size from torch.distributed and
+large data let rank 0 prepare and `plan.save(path)`, then the others `pipeline.IngestPlan.load(path)`
+after a barrier: they map the vocabulary files saved beside it) and `pipeline.rank_data`, which takes rank and world size from torch.distributed and
 reads only this rank's pieces with pyarrow. For the same data, seed and world size, rank r gets exactly
 the rows and batches it gets under Ray Train.
 
