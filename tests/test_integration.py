@@ -101,9 +101,11 @@ def test_whole_job_learns_and_saves_everything(ray_local, demo_dir, tmp_path, la
     assert 24_000 - val_rows - epochs[0]["rows"] < 2 * 256
     run = summary["run"]
     saved = FittedPreprocessor.load(storage.join(run, "preprocessor.json"))
-    # the checkpoint is self-contained: its preprocessor.json and the vocabulary file beside it
+    # the checkpoint is self-contained: its preprocessor.json and the vocabulary parts' folder beside it
     assert FittedPreprocessor.load(os.path.join(summary["checkpoint"], "preprocessor.json")) == saved
-    assert any(n.startswith("vocab-") and n.endswith(".arrow") for n in os.listdir(summary["checkpoint"]))
+    folders = [n for n in os.listdir(summary["checkpoint"]) if n.startswith("vocab-")]
+    assert len(folders) == 1 and any(n.endswith(".arrow") for n in os.listdir(os.path.join(summary["checkpoint"],
+                                                                                            folders[0])))
     state = torch.load(os.path.join(summary["checkpoint"], "state.pt"), weights_only=False)
     assert {"model", "optimizer", "loader", "history"} <= state.keys()
     assert state["loader"]["epoch"] == 3 and state["loader"]["step"] == 0

@@ -381,20 +381,24 @@ def consumed_rows(run_dir: Path) -> dict[int, list[int]]:
     """epoch -> the row ids every rank trained on, across restarts and resizes: a step traced by an attempt
     that a later restart went back before (its checkpoint is older than the step) is not counted, since the
     model state it made was lost. Each line: time, epoch, the epoch's position after the step, world size,
-    pid (one rank of one attempt), row ids."""
+    pid (one rank of one attempt), row ids; a line without ids marks where an attempt's rank started
+    (epoch and position before its first step)."""
     lines = []
     for path in run_dir.glob("ids-rank*.txt"):
         for ln in path.read_text().splitlines():
             t, e, pos, w, pid, *ids = ln.split()
-            lines.append((float(t), int(e), int(pos), int(w), int(pid), [int(i) for i in ids]))
+            # after an epoch's last step the loader is at the next epoch's start (position 0): the epoch's end
+            at = float("inf") if ids and int(pos) == 0 else int(pos)
+            lines.append((float(t), int(e), at, int(w), int(pid), [int(i) for i in ids]))
     lines.sort()
-    first = {}
-    for t, e, pos, w, pid, _ in lines:  # each process's first step: where its attempt resumed from
-        first.setdefault(pid, (t, e, pos - w * BATCH))
-    resumes = sorted(first.values())[1:]
+    # Every rank of every attempt marks where it starts before its first step, and no step of an attempt
+    # ends before all its ranks started (the steps are collectives): a step traced before a later start
+    # that went back before it was lost. (Inferred from each process's first step instead, a rank that
+    # started a moment after another made the other's first step look lost.)
+    resumes = [(t, e, pos) for t, e, pos, _, _, ids in lines if not ids]
     out: dict[int, list[int]] = {}
     for t, e, pos, w, pid, ids in lines:
-        if not any(t_r > t and (e_r, p_r) < (e, pos) for t_r, e_r, p_r in resumes):
+        if ids and not any(t_r > t and (e_r, p_r) < (e, pos) for t_r, e_r, p_r in resumes):
             out.setdefault(e, []).extend(ids)
     return out
 

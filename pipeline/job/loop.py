@@ -102,6 +102,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
     ids_out = open(os.path.join(loop_config["run_dir"], f"ids-rank{rank}.txt"), "a") if trace is not None else None
     every = t.checkpoint_every_steps
     start_epoch = loader.state_dict()["epoch"]
+    if ids_out is not None:  # where this attempt starts (a line without ids): what it trains from here on
+        ids_out.write(f"{time.time():.6f} {start_epoch} {loader.state_dict()['position']} {world} {os.getpid()}\n")
+        ids_out.flush()
     for epoch in range(start_epoch, t.epochs):
         loader.set_epoch(epoch)
         stats = StepStats()
