@@ -133,7 +133,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
                 ids_out.write(f"{time.time():.6f} {epoch} {loader.state_dict()['position']} {world} {os.getpid()} "
                               f"{' '.join(map(str, ids.tolist()))}\n")
                 ids_out.flush()
-            if every and step % every == 0 and step < len(loader):  # mid-epoch: every rank reports (a collective)
+            # mid-epoch: every rank reports (a collective); never once the loader has finished the epoch (its
+            # state is then the next epoch's start, which must come with this epoch's metrics: the end-of-epoch
+            # checkpoint below), however many steps len(loader) counted for a re-dealt epoch
+            if every and step % every == 0 and step < len(loader) and loader.state_dict()["epoch"] == epoch:
                 # The epoch so far over all ranks, this step included (`timed` counts it when the body ends).
                 sums = _all_reduce_sum([loss_sum.item() + carried[0], stats.steps + 1 + carried[1],
                                         stats.rows + batch.x_num.shape[0] + carried[2], stats.data_wait_s + carried[3],
