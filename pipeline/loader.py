@@ -49,6 +49,7 @@ class _Position:
     sampler: BatchSampler
     _delivered: int
     _epoch_of_delivered: int
+    _active = False
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.sampler.epoch:
@@ -60,6 +61,22 @@ class _Position:
     def delivered(self) -> int:
         """Batches handed to the caller so far in the current epoch."""
         return self._delivered
+
+    def __len__(self) -> int:
+        """Batches of the epoch being delivered (of its segment left, when resumed on another world size),
+        even once the sampler has run ahead into the next epoch (a prefetch); between epochs, the next's."""
+        steps = self.sampler.segment_of(self._epoch_of_delivered)[1]
+        return steps if self._delivered < steps or self._active else len(self.sampler)
+
+    def _delivering(self, batches: Iterator) -> Iterator:
+        """Marks an epoch's iteration as under way (len() counts its batches until it ends)."""
+        self._epoch_of_delivered = self.sampler.epoch
+        self._delivered = self.sampler.step
+        self._active = True
+        try:
+            yield from batches
+        finally:
+            self._active = False
 
     def state_dict(self) -> dict[str, Any]:
         # The sampler may have run ahead (prefetch); what counts is what the caller received.
@@ -90,9 +107,6 @@ class DeviceLoader(_Position):
         self._index: torch.Tensor | None = None  # the last batch's indices are _index[_index_at:][:batch_size]
         self._index_at = 0
 
-    def __len__(self) -> int:
-        return len(self.sampler)
-
     @property
     def batch_size(self) -> int:
         return self.sampler.batch_size
@@ -105,14 +119,11 @@ class DeviceLoader(_Position):
         return self._index[self._index_at:self._index_at + self.sampler.batch_size]
 
     def __iter__(self) -> Iterator[Batch]:
-        self._epoch_of_delivered = self.sampler.epoch
-        self._delivered = self.sampler.step
         if self.device.type != "cuda":
-            yield from self._iter_host()
-        elif self.placement == "device":
-            yield from self._iter_resident()
-        else:
-            yield from self._iter_pinned()
+            return self._delivering(self._iter_host())
+        if self.placement == "device":
+            return self._delivering(self._iter_resident())
+        return self._delivering(self._iter_pinned())
 
     # -- rows gathered K batches at a time ----------------------------------------------------
 
@@ -253,12 +264,10 @@ class WorkerLoader(_Position):
         self._delivered = 0
         self._epoch_of_delivered = sampler.epoch
 
-    def __len__(self) -> int:
-        return len(self.sampler)
-
     def __iter__(self) -> Iterator[Any]:
-        self._epoch_of_delivered = self.sampler.epoch
-        self._delivered = self.sampler.step
+        return self._delivering(self._iter_workers())
+
+    def _iter_workers(self) -> Iterator[Any]:
         cuda = self.device.type == "cuda"
         for out in self._dl:
             if self.transform is None:

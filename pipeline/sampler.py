@@ -242,15 +242,19 @@ class BatchSampler:
         for start, stop in self.spans():
             yield perm[start:stop]
 
+    def segment_of(self, epoch: int) -> tuple[tuple, int]:
+        """(history, steps) of `epoch`'s current segment: the current epoch's, the one spans() last ran to its
+        end (a loader's sampler may have run ahead of what it delivered), or a plain epoch's."""
+        if epoch == self.epoch:
+            return self.history, self.steps
+        if epoch == self._finished[0]:
+            return self._finished[1], self._finished[2]
+        return (), self._segment(epoch, ())[1]
+
     def state_at(self, epoch: int, step: int) -> dict[str, Any]:
         """The state after `step` batches of the current segment of `epoch` were delivered (the loader
         asks: its sampler may have run ahead into the next epoch)."""
-        if epoch == self.epoch:
-            history, steps = self.history, self.steps
-        elif epoch == self._finished[0]:
-            history, steps = self._finished[1], self._finished[2]
-        else:
-            history, steps = (), self._segment(epoch, ())[1]
+        history, steps = self.segment_of(epoch)
         if step >= steps:  # the epoch is done: the next one starts afresh
             epoch, step, history = epoch + 1, 0, ()
         segments = [list(s) for s in history] + ([[self.world, step]] if step else [])

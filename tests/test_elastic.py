@@ -105,6 +105,30 @@ def test_repeated_resizes_within_one_epoch_still_deliver_every_row_once(worlds, 
     assert state["epoch"] == 2 and state["segments"] == []
 
 
+@pytest.mark.parametrize("global_", [False, True], ids=["local", "global"])
+def test_len_is_the_delivered_segment_even_when_the_sampler_ran_ahead(global_):
+    """A resumed segment is shorter than a plain epoch. The loader gathers whole chunks ahead (here the
+    whole segment at once), so its sampler is in the next epoch before the segment's last batch is
+    delivered: len(loader) must still count the delivered segment, or a loop checkpointing at
+    `step < len(loader)` saves a 'mid-epoch' state that is really the next epoch's start (the elastic
+    run that lost an epoch's metrics)."""
+    n, batch = 1000, 10
+    first = loaders(n, 2, batch, global_=global_, drop_last=True)
+    run(first, 1, steps=20)
+    loader = loaders(n, 1, batch, global_=global_, drop_last=True, state=first[0].state_dict())[0]
+    plain = len(loaders(n, 1, batch, global_=global_, drop_last=True)[0])
+    segment = len(loader)
+    assert segment < plain
+    seen = []
+    for k, _ in enumerate(loader, 1):
+        assert loader.sampler.epoch == 2  # ran ahead: the whole segment is one gather
+        assert len(loader) == segment and loader.delivered == k
+        seen.append(loader.state_dict())
+    assert k == segment
+    assert [s["epoch"] for s in seen] == [1] * (segment - 1) + [2]
+    assert len(loader) == plain  # between epochs: the next one's
+
+
 def test_the_same_world_size_goes_on_exactly_as_an_uninterrupted_run():
     n, batch, world = 1000, 10, 3
     whole = run(loaders(n, world, batch, global_=False, drop_last=True), 4)

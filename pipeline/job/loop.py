@@ -85,6 +85,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
         optimizer.load_state_dict(state["optimizer"])  # rank_data's loader already went on from state["loader"]
         history = state["history"]
         partial = state.get("partial")
+        if rank == 0:
+            at = state["loader"]
+            print(f"[train] resumed from {ckpt.path}: epoch {at['epoch']}, position {at['position']} (rows of the "
+                  f"epoch already trained), metrics of {len(history)} epoch(s) before it", flush=True)
 
     if rank == 0:
         sizes = plan.train_sizes
@@ -133,9 +137,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
                 ids_out.write(f"{time.time():.6f} {epoch} {loader.state_dict()['position']} {world} {os.getpid()} "
                               f"{' '.join(map(str, ids.tolist()))}\n")
                 ids_out.flush()
-            # mid-epoch: every rank reports (a collective); never once the loader has finished the epoch (its
-            # state is then the next epoch's start, which must come with this epoch's metrics: the end-of-epoch
-            # checkpoint below), however many steps len(loader) counted for a re-dealt epoch
+            # mid-epoch: every rank reports (a collective). Never at the epoch's last step: the loader's state is
+            # then the next epoch's start, which must come with this epoch's metrics (the end-of-epoch checkpoint
+            # below). len(loader) counts the steps of the epoch being delivered (of its re-dealt rest after a
+            # resize) even once the loader has gathered ahead into the next epoch.
             if every and step % every == 0 and step < len(loader) and loader.state_dict()["epoch"] == epoch:
                 # The epoch so far over all ranks, this step included (`timed` counts it when the body ends).
                 sums = _all_reduce_sum([loss_sum.item() + carried[0], stats.steps + 1 + carried[1],
