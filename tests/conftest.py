@@ -20,7 +20,17 @@ def pytest_addoption(parser):
                      help="the inner loop (make test-quick): leave out every test that starts Ray or runs a whole job")
 
 
+# `make test` runs two test processes (pytest-xdist, --dist loadscope): each module runs whole in one of
+# them, so a module's expensive fixture (the 3-node cluster's plain run, the Ray head of `ray job submit`,
+# the S3 server, a baseline run) is built once. The longest modules go first, so that neither process is
+# left with one of them at the end while the other idles; the many short modules fill in behind them.
+FIRST = ["test_multinode", "test_integration", "test_examples", "test_jobs", "test_resume", "test_faults",
+         "test_loopback", "test_cluster_limits", "test_s3", "test_tables", "test_damage"]
+
+
 def pytest_collection_modifyitems(config, items):
+    place = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: place.get(item.module.__name__ if item.module else "", len(FIRST)))  # stable
     if not config.getoption("--quick"):
         return
     keep, left = [], []

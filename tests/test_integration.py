@@ -112,22 +112,33 @@ def test_whole_job_learns_and_saves_everything(ray_local, demo_dir, tmp_path, la
     assert storage.read_json(storage.join(run, "metrics.json"))["rows_read"] == 24_000
 
 
+SMALL_RUN = {"train.epochs": 1, "train.batch_size": 256, "train.num_workers": 2, "train.hidden": [32]}
+
+
+@pytest.fixture(scope="module")
+def baseline(ray_local, demo_dir, tmp_path_factory) -> dict:
+    """One small run with the rows in memory and the workers started after the fit: what the variants
+    below must equal, loss for loss (one run for both)."""
+    out = tmp_path_factory.mktemp("baseline")
+    return train.run(make_config(demo_dir, **{"run.output": str(out), **SMALL_RUN, "loader.spill": "never",
+                                              "run.start_workers": "after_fit"}))
+
+
 @pytest.mark.slow
-def test_rows_memory_mapped_from_disk_train_exactly_as_in_memory(ray_local, demo_dir, tmp_path):
+def test_rows_memory_mapped_from_disk_train_exactly_as_in_memory(baseline, demo_dir, tmp_path):
     """loader.spill = always: each rank's rows live in a memory-mapped (already unlinked) file on local
     disk; the run is the same, loss for loss, and nothing is left in the spill directory."""
     spill = tmp_path / "spill"
-    common = {"train.epochs": 1, "train.batch_size": 256, "train.num_workers": 2, "train.hidden": [32]}
-    mem = train.run(make_config(demo_dir, **{"run.output": str(tmp_path / "a"), **common, "loader.spill": "never"}))
-    disk = train.run(make_config(demo_dir, **{"run.output": str(tmp_path / "b"), **common, "loader.spill": "always",
-                                              "loader.spill_dir": str(spill)}))
+    mem = baseline
+    disk = train.run(make_config(demo_dir, **{"run.output": str(tmp_path / "b"), **SMALL_RUN, "loader.spill": "always",
+                                              "loader.spill_dir": str(spill), "run.start_workers": "after_fit"}))
     for key in ("train_loss", "val_loss", "val_acc", "rows"):
         assert disk["epochs"][0][key] == mem["epochs"][0][key], key
     assert spill.is_dir() and not list(spill.iterdir())
 
 
 @pytest.mark.slow
-def test_workers_started_beside_the_fit_train_exactly_as_after_it(ray_local, demo_dir, tmp_path):
+def test_workers_started_beside_the_fit_train_exactly_as_after_it(ray_local, baseline, demo_dir, tmp_path):
     """run.start_workers = beside_fit: Ray Train's workers start while the driver validates and fits,
     and take the plan from a PlanBox once it exists; the run is the same, loss for loss. A prepare that
     fails meanwhile raises its own one-paragraph error, and the early workers end by themselves."""
@@ -136,10 +147,9 @@ def test_workers_started_beside_the_fit_train_exactly_as_after_it(ray_local, dem
 
     from pipeline.errors import DataError
 
-    common = {"train.epochs": 1, "train.batch_size": 256, "train.num_workers": 2, "train.hidden": [32]}
-    after = train.run(make_config(demo_dir, **{"run.output": str(tmp_path / "a"), **common,
-                                               "run.start_workers": "after_fit"}))
-    beside = train.run(make_config(demo_dir, **{"run.output": str(tmp_path / "b"), **common,
+    common = SMALL_RUN
+    after = baseline
+    beside = train.run(make_config(demo_dir, **{"run.output": str(tmp_path / "b"), **common, "loader.spill": "never",
                                                 "run.start_workers": "beside_fit"}))
     for key in ("train_loss", "val_loss", "val_acc", "rows"):
         assert beside["epochs"][0][key] == after["epochs"][0][key], key
