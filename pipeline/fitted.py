@@ -19,7 +19,8 @@ from .columns import Columns
 from .errors import DataError
 from .stats import PartialStats, categorical_ops, numeric_ops, shuffle_columns
 from .transforms import CategoricalOp, FittedNumeric, NumericOp, cross_name, fit_numeric
-from .vocab import Parts, PartedVocabulary, Vocabulary, as_vocabularies, column_digest
+from .vocab import Vocabulary
+from .vocab_parts import Parts, PartedVocabulary, as_vocabularies, column_digest
 
 MAX_CLASSES = 2**24  # class ids travel as float32 in the packed rows: exact below 2**24
 

@@ -1,5 +1,5 @@
 """Saving and loading a fitted state: a small JSON (repr() of every float64, so a load gives
-bit-identical arrays) and its vocabularies beside it (vocab.py: a folder of parts, or one Arrow
+bit-identical arrays) and its vocabularies beside it (vocab_parts.py: a folder of parts; vocab.py: one Arrow
 file). Every format version this package wrote still loads. `preprocess.FittedPreprocessor` has
 these as methods (`save`, `load`, `to_dict`, `from_dict`, `state`).
 """
@@ -17,7 +17,8 @@ from .errors import DataError
 from .fitted import FittedTarget
 from .stats import categorical_ops, numeric_ops
 from .transforms import CategoricalOp, NumericOp, user_function
-from .vocab import Parts, PartedVocabulary, Vocabulary
+from .vocab import Vocabulary
+from .vocab_parts import Parts, PartedVocabulary, part_tag
 
 FORMAT = "pipeline.FittedPreprocessor"
 VERSION = 5  # 5: vocabularies in parts by hash range, a folder beside the JSON; 4: one Arrow IPC file (older: inline)
@@ -70,7 +71,7 @@ def state(fp, uri: str) -> dict[str, Any]:
         name = f"vocab-{fp.vocab_digest}"
         folder = _beside(uri, name)
         last = storage.join(folder, f"part-{parted[0].partitions - 1:05d}")
-        if vocab_file.part_tag(last) != fp.vocab_digest:
+        if part_tag(last) != fp.vocab_digest:
             parted[0].parts.write(folder, [v.name for v in parted], fp.vocab_digest)
         return to_dict(fp, vocab_file=name)
     whole = tuple(v.whole() if isinstance(v, PartedVocabulary) else v for v in fp.vocab)
@@ -143,9 +144,9 @@ def _vocabularies(d: dict[str, Any], uri: str | None) -> tuple:
     folder = _beside(uri, ref["name"])
     n = max(len(e.get("vocab_parts", ())) for e in cats)
     paths = [storage.join(folder, f"part-{q:05d}") for q in range(n)]
-    if vocab_file.part_tag(paths[-1]) != ref["digest"]:
+    if part_tag(paths[-1]) != ref["digest"]:
         raise DataError(f"'{uri}' keeps its vocabularies in the folder '{folder}', whose parts are missing or belong "
-                        f"to another fit (digest {vocab_file.part_tag(paths[-1])!r}, expected {ref['digest']!r}): the ids "
+                        f"to another fit (digest {part_tag(paths[-1])!r}, expected {ref['digest']!r}): the ids "
                         f"would be wrong. Copy the folder saved with that JSON beside it, or fit again")
     parts = Parts(paths)
     return tuple(PartedVocabulary(e["name"], parts, e["vocab_parts"], e["vocab_digest"]) if "vocab_parts" in e

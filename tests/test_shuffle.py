@@ -226,3 +226,16 @@ def test_a_saved_plan_names_its_vocabulary_files_and_loading_maps_them(tmp_path)
     np.testing.assert_array_equal(loaded.fitted.transform(table).x_cat, plan.fitted.transform(table).x_cat)
     maps = open("/proc/self/maps").read()
     assert f"{folder}/part-00000.arrow" in maps and f"{folder}/part-00000.index.arrow" in maps
+
+
+def test_a_fitted_state_pickled_when_the_parts_lived_in_vocab_py_still_loads():
+    """Parts and PartedVocabulary moved from pipeline/vocab.py to pipeline/vocab_parts.py; a plan pickled
+    before (its classes named pipeline.vocab.*) unpickles to the same vocabularies."""
+    df = heavy_tailed(3_000, 1_000, seed=4)
+    fitted = fit(df, columns(), 4, max_size=10**6)
+    blob = pickle.dumps(fitted, protocol=0)  # text opcodes: the module names can be rewritten in place
+    assert b"pipeline.vocab_parts\n" in blob
+    old = pickle.loads(blob.replace(b"pipeline.vocab_parts\n", b"pipeline.vocab\n"))
+    assert type(old.vocab[0]).__module__ == "pipeline.vocab_parts"
+    table = pa.Table.from_pandas(df.head(200), preserve_index=False)
+    np.testing.assert_array_equal(old.transform(table).x_cat, fitted.transform(table).x_cat)
