@@ -17,6 +17,7 @@ OLDEST_TESTS ?= tests/test_ray_versions.py tests/test_jobs.py \
 # Two test processes (pytest-xdist): most tests wait on Ray, so two share this 2-core machine's CPUs well.
 # Each test module runs whole in one process, the longest first (tests/conftest.py).
 TEST_PROCS   ?= 2
+XDIST        := -n $(TEST_PROCS) --dist loadscope --no-loadscope-reorder
 PIP_INSTALL  := pip install -q --disable-pip-version-check
 
 .PHONY: setup demo test test-quick test-oldest-ray bench k8s clean
@@ -39,12 +40,12 @@ demo: setup
 	$(BIN)/python -m pipeline train --config $(CONFIG)
 
 test: setup
-	$(BIN)/python -m pytest -q -n $(TEST_PROCS) --dist loadscope --no-loadscope-reorder --durations=15
+	$(BIN)/python -m pytest -q $(XDIST) --durations=15
 	$(MAKE) test-oldest-ray
 
 # The inner loop: every test that needs neither Ray nor a whole job (`make test` is what CI runs).
 test-quick: setup
-	$(BIN)/python -m pytest -q -n $(TEST_PROCS) --dist loadscope --no-loadscope-reorder --quick
+	$(BIN)/python -m pytest -q $(XDIST) --quick
 
 # Only Ray (and whatever of its pins the main environment does not meet) is installed here: every other
 # package comes from the main environment (a .pth file puts its site-packages after this one's), so the
@@ -58,7 +59,7 @@ $(OLDEST_VENV)/.installed: $(VENV)/.installed
 
 test-oldest-ray: $(OLDEST_VENV)/.installed
 	$(OLDEST_VENV)/bin/python -c "import ray; assert ray.__version__ == '$(OLDEST_RAY)', ray.__version__; print('Ray', ray.__version__)"
-	$(OLDEST_VENV)/bin/python -m pytest -q -n $(TEST_PROCS) --dist loadscope --no-loadscope-reorder -p no:cacheprovider $(OLDEST_TESTS)
+	$(OLDEST_VENV)/bin/python -m pytest -q $(XDIST) -p no:cacheprovider $(OLDEST_TESTS)
 
 bench: setup
 	$(BIN)/python -m pipeline bench --out bench.json --plot bench.png

@@ -293,11 +293,11 @@ def run(cfg: Config, started: float | None = None, ray_s: float = 0.0,
     if not history and result.checkpoint is not None:
         with result.checkpoint.as_directory() as d:
             history = torch.load(os.path.join(d, CHECKPOINT_FILE), weights_only=False)["history"]
-    missing = sorted(set(range(1, cfg.train.epochs + 1)) - {int(e["epoch"]) for e in history})
-    if missing and history:  # a defect, never expected: say so rather than report fewer epochs quietly
+    missing = sorted(set(range(1, cfg.train.epochs + 1)) - {int(e["epoch"]) for e in history}) if history else []
+    if missing:  # a defect, never expected: say so rather than report fewer epochs quietly
         print(f"[train] warning: the run trained {cfg.train.epochs} epochs but its final history lacks the metrics "
               f"of epoch(s) {missing}; its checkpoints are in {out_uri}", flush=True)
-    summary = {"run": out_uri, "rows_read": acct.rows_read, "missing_epoch_metrics": missing if history else [], "accounting": acct.as_dict(),
+    summary = {"run": out_uri, "rows_read": acct.rows_read, "missing_epoch_metrics": missing, "accounting": acct.as_dict(),
                "accounting_summary": acct.summary(), "epochs": history,
                "coverage": plan.fitted.stats.get("categorical", {}),
                "targets": [{"name": t.name, "kind": t.kind, "classes": len(t.classes)} for t in plan.fitted.targets],

@@ -141,7 +141,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
             # then the next epoch's start, which must come with this epoch's metrics (the end-of-epoch checkpoint
             # below). len(loader) counts the steps of the epoch being delivered (of its re-dealt rest after a
             # resize) even once the loader has gathered ahead into the next epoch.
-            if every and step % every == 0 and step < len(loader) and loader.state_dict()["epoch"] == epoch:
+            if every and step % every == 0 and step < len(loader):
                 # The epoch so far over all ranks, this step included (`timed` counts it when the body ends).
                 sums = _all_reduce_sum([loss_sum.item() + carried[0], stats.steps + 1 + carried[1],
                                         stats.rows + batch.x_num.shape[0] + carried[2], stats.data_wait_s + carried[3],
