@@ -25,22 +25,28 @@ QUARANTINE_FILE = "quarantine.jsonl"
 FIT_FILE = "fit.json"
 
 
-def _save_checkpoint(model: nn.Module, optimizer, loader, history: list, fitted, cfg_json: str,
-                     partial: dict[str, Any] | None = None):
-    """A directory holding model, optimizer and loader state, the fitted preprocessor and the config.
+def _report(metrics: dict[str, Any], save: bool, model: nn.Module, optimizer, loader, history: list, fitted,
+            cfg_json: str, partial: dict[str, Any] | None = None) -> None:
+    """ray.train.report on every rank; with save (rank 0), a checkpoint directory holding model, optimizer and
+    loader state, the fitted preprocessor and the config. The directory is temporary: Ray Train copies it into
+    the run's storage during report, and it is removed right after (a worker's /tmp does not fill with copies).
 
     partial (mid-epoch checkpoints): the epoch's sums so far over all ranks, so that a run resumed
     from it reports the whole epoch (rows, loss, timings), not only the steps after the resume."""
+    import ray.train
     from ray.train import Checkpoint
 
-    d = tempfile.mkdtemp(prefix="ckpt-")
-    inner = model.module if hasattr(model, "module") else model
-    torch.save({"model": inner.state_dict(), "optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
-                "history": history, "partial": partial}, os.path.join(d, CHECKPOINT_FILE))
-    fitted.save(os.path.join(d, PREPROCESSOR_FILE))  # and its vocabulary file beside it
-    with open(os.path.join(d, "config.json"), "w") as f:
-        f.write(cfg_json)
-    return Checkpoint.from_directory(d)
+    if not save:
+        ray.train.report(metrics, checkpoint=None)
+        return
+    with tempfile.TemporaryDirectory(prefix="ckpt-") as d:
+        inner = model.module if hasattr(model, "module") else model
+        torch.save({"model": inner.state_dict(), "optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
+                    "history": history, "partial": partial}, os.path.join(d, CHECKPOINT_FILE))
+        fitted.save(os.path.join(d, PREPROCESSOR_FILE))  # and its vocabulary file beside it
+        with open(os.path.join(d, "config.json"), "w") as f:
+            f.write(cfg_json)
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -147,9 +153,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
                                         stats.rows + batch.x_num.shape[0] + carried[2], stats.data_wait_s + carried[3],
                                         stats.total_s + carried[4]], device)
                 mid = {"epoch": epoch, "sums": sums, "wall": time.perf_counter() - t0 + carried_wall}
-                ckpt_mid = _save_checkpoint(model, optimizer, loader, history, fitted, cfg_json, mid) \
-                    if rank == 0 else None
-                ray.train.report({"epoch": epoch, "step": step, "mid_epoch": True}, checkpoint=ckpt_mid)
+                _report({"epoch": epoch, "step": step, "mid_epoch": True}, rank == 0, model, optimizer, loader,
+                        history, fitted, cfg_json, mid)
         wall = time.perf_counter() - t0 + carried_wall
         loss_total, steps, rows, wait, busy = _all_reduce_sum(
             [loss_sum.item() + carried[0], stats.steps + carried[1], stats.rows + carried[2],
@@ -163,6 +168,5 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
             print(f"[train] epoch {metrics['epoch']}/{t.epochs}  loss {metrics['train_loss']:.4f}  "
                   f"{target_figures(metrics, fitted.targets)}  {metrics['rows_per_s']:,.0f} rows/s  "
                   f"data wait {metrics['data_wait_pct']:.1f}% of step time", flush=True)
-        checkpoint = _save_checkpoint(model, optimizer, loader, history, fitted, cfg_json) if rank == 0 else None
-        ray.train.report(metrics, checkpoint=checkpoint)
+        _report(metrics, rank == 0, model, optimizer, loader, history, fitted, cfg_json)
     return history
