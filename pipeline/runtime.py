@@ -89,6 +89,19 @@ class _DropOptOutNotice(logging.Filter):
         return "to opt out" not in record.getMessage()
 
 
+# How often Ray Train's controller polls its workers, for a Ray this process starts (a user's own value wins).
+# Each worker's ray.train.report waits while its previous report is still unread (Ray Train's result queue
+# holds one, and the controller reads it when it polls: every 2 s by default). A job reports at every
+# epoch's end and at every mid-epoch checkpoint, so with 2 s a short epoch waited up to 2 s per report
+# (measured on a local 3-epoch run: 23.3 s -> 18.5 s with 0.25 s). A poll costs the controller one actor
+# call per worker: 0.25 s suits one machine; jobs/runtime_env.yaml and the RayJob set 0.5 s for a cluster.
+REPORT_POLL_S = "0.25"
+
+
+def report_poll_interval() -> None:
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", REPORT_POLL_S)
+
+
 def address(cfg: Config) -> str:
     """Where init_ray goes: run.ray_address, else RAY_ADDRESS (inside `ray job submit`), else "local"
     (a private local Ray), unless Ray is already initialised in this process (then: "")."""
@@ -114,6 +127,7 @@ def init_ray(cfg: Config, train: bool = False) -> None:
     # Train V2 prints a line per internal state change; a user wants the epoch lines.
     os.environ.setdefault("RAY_TRAIN_ENABLE_CONTROLLER_STRUCTURED_LOGGING", "0")
     os.environ.setdefault("RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING", "0")
+    report_poll_interval()
     # A runtime_env only for the private Ray: inside `ray job submit` the job's own (jobs/runtime_env.yaml)
     # applies, and Ray refuses to start a driver whose ray.init(runtime_env=...) conflicts with it.
     kwargs = dict(logging_level=logging.WARNING, configure_logging=True)

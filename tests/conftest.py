@@ -6,13 +6,16 @@ import os
 
 import pytest
 
-from pipeline.runtime import LOOPBACK_ONLY  # noqa: E402
+from pipeline.runtime import LOOPBACK_ONLY, report_poll_interval  # noqa: E402
 
 # Every Ray a test starts (here, in subprocesses, `ray start`, Cluster) listens on loopback only, so
 # token authentication can be off for them: `ray job submit` and the clusters must agree on it.
 os.environ.update(LOOPBACK_ONLY)
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+# Ray Train's report poll as the job sets it for a Ray it starts (pipeline.runtime.REPORT_POLL_S): the Rays
+# the tests start (ray_local, Cluster, `ray start`) inherit it.
+report_poll_interval()
 
 
 def pytest_addoption(parser):
