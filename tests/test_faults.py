@@ -1,15 +1,15 @@
-"""Fault tolerance with REAL processes killed (SIGKILL) while the job runs.
+"""Fault tolerance with a REAL process killed (SIGKILL) while the job runs: a Ray Data worker in the fit.
 
-Each test runs the CLI in a subprocess with its own private local Ray (`address="local"`), finds the
-Ray worker process doing the work among that subprocess's descendants (by the process title Ray
-sets: `ray::fit_group` while a fit task runs, `ray::RayTrainWorker...` for a Ray
-Train worker), kills it, and checks that the job still finishes with exactly the right result:
+The test runs the CLI in a subprocess with its own private local Ray (`address="local"`), finds the
+Ray worker process running a fit task among that subprocess's descendants (by the title Ray gives it
+while the task runs: `ray::fit_group`), kills it, and checks that the job still finishes with exactly
+the right result: Ray Data retries the lost task (its tasks default to max_retries=-1), and the fit
+still counts every row exactly once (a retried task's partial statistics are not double-counted).
 
-- preprocessing: Ray Data retries the lost task (its tasks default to max_retries=-1), and the fit
-  still counts every row exactly once (a retried task's partial statistics are not double-counted);
-- training: Ray Train (FailureConfig.max_failures) restarts the worker group from the latest
-  checkpoint, the loader resumes at the step after that checkpoint, and every step after the restart
-  sees exactly the batch an uninterrupted run sees.
+A Ray Train worker lost mid-epoch is tests/test_multinode.py's node loss: the worker dies with its whole
+node (raylet, objects and all), Ray Train restarts from the last committed mid-epoch checkpoint, and every
+step after the restart sees exactly the batch an uninterrupted run sees, with the same losses.
+examples/ray_train_loop.py's killed rank is tests/test_examples.py.
 
 Only processes under the test's own subprocess are ever signalled: other Ray clusters on the
 machine are left alone.
@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -30,7 +28,6 @@ from pathlib import Path
 
 import pytest
 
-from helpers import expected_batches
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -178,103 +175,3 @@ def test_fit_survives_killed_data_worker(tmp_path):
     ref = pipeline.prepare(str(data), label="label", numeric=list(DEMO_NUMERIC), categorical=list(DEMO_CATEGORICAL),
                            use_ray=False).fitted
     assert fitted == ref
-
-
-# ---------------------------------------------------------------------------------------------
-# (b) a Ray Train worker killed mid-epoch, after a mid-epoch checkpoint
-
-
-def expected_trace(n: int, world: int, batch: int, epochs: int, seed: int = 0, val_fraction: float = 0.1):
-    """What an uninterrupted run writes to trace-rank<r>.txt: {(rank, epoch, step): digest}, the ranks'
-    training-row counts and the steps per epoch."""
-    batches, sizes, steps = expected_batches(n, world, batch, epochs, seed, val_fraction)
-    return {k: hashlib.sha1(ids.tobytes()).hexdigest()[:16] for k, ids in batches.items()}, sizes, steps
-
-
-def _read_trace(path: str) -> list[tuple[int, int, str]]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        lines = f.read().splitlines()
-    return [(int(e), int(k), h) for e, k, h in (ln.split() for ln in lines if len(ln.split()) == 3)]
-
-
-def _committed_checkpoint(run_dir: str) -> dict | None:
-    """Metrics of the latest checkpoint Ray Train has committed (its checkpoint manager's snapshot)."""
-    try:
-        with open(os.path.join(run_dir, "checkpoint_manager_snapshot.json")) as f:
-            latest = json.load(f).get("latest_checkpoint_result")
-    except (OSError, ValueError):  # not written yet, or caught mid-write
-        return None
-    return latest["metrics"] if latest else None
-
-
-def test_training_survives_killed_train_worker(tmp_path):
-    from pipeline import demo
-
-    rows, world, batch, epochs, every = 40_000, 2, 256, 2, 10
-    data, out, log = tmp_path / "data", tmp_path / "runs", tmp_path / "train.log"
-    demo.generate(str(data), rows=rows, shards=8, seed=5)
-    expected, sizes, steps = expected_trace(rows, world, batch, epochs)
-    args = ["train", "--data.path", str(data), "--run.output", str(out), "--run.name", "ft",
-            "--train.epochs", str(epochs), "--train.batch_size", str(batch), "--train.hidden", "[32]",
-            "--train.num_workers", str(world), "--train.max_failures", "2",
-            "--train.checkpoint_every_steps", str(every), "--train.trace_batches", "true"]
-    with _cli(args, log) as proc:
-        # Wait until a mid-epoch checkpoint is committed (Ray Train registers a checkpoint only once the
-        # controller has collected every rank's report of it, polling every 2 s; a report still queued in
-        # a worker that dies is lost) and rank 0 has trained a few steps past it; then kill a worker.
-        killed = committed = None
-        deadline = time.monotonic() + WATCH_S
-        while proc.poll() is None and killed is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-            runs = glob.glob(str(out / "ft-*"))
-            if not runs:
-                continue
-            committed = _committed_checkpoint(runs[0])
-            last = _read_trace(os.path.join(runs[0], "trace-rank0.txt"))[-1:]
-            if not (committed and committed.get("mid_epoch") and last):
-                continue
-            (e, k, _), ce, ck = last[0], committed["epoch"], committed["step"]
-            if e == ce and ck + 2 <= k < steps - 5:
-                workers = _find(proc.pid, "ray::RayTrainWorker")
-                if len(workers) == world:
-                    _kill_and_confirm(workers[-1])
-                    killed = (workers[-1], (e, k), (ce, ck))
-        text = _finish(proc, log, timeout=FINISH_S)
-    assert killed is not None, f"never saw {world} RayTrainWorker processes a few steps past a committed " \
-                               f"mid-epoch checkpoint (last committed {committed}); log:\n{text[-4000:]}"
-    _, (e_kill, k_kill), (e_ckpt, k_ckpt) = killed
-
-    (run_dir,) = glob.glob(str(out / "ft-*"))
-    metrics = json.loads(Path(run_dir, "metrics.json").read_text())
-    assert f"[rows] rows read {rows:,} = used {rows:,} + dropped 0" in text
-    assert [e["epoch"] for e in metrics["epochs"]] == list(range(1, epochs + 1))
-
-    g = lambda e, k: e * steps + k  # noqa: E731 - global step number, 1-based within an epoch
-    restart_points = set()
-    for r in range(world):
-        trace = _read_trace(os.path.join(run_dir, f"trace-rank{r}.txt"))
-        # Every line, before and after the restart, is the batch an uninterrupted run sees at that step.
-        for e, k, h in trace:
-            assert h == expected[(r, e, k)], f"rank {r} epoch {e} step {k}: {h} != {expected[(r, e, k)]}"
-        back = [i for i in range(1, len(trace)) if g(*trace[i][:2]) != g(*trace[i - 1][:2]) + 1]
-        assert len(back) == 1, f"rank {r}: expected exactly one restart in the trace, found jumps at {back}"
-        i = back[0]
-        (e0, k0), (e1, k1) = trace[i - 1][:2], trace[i][:2]
-        # The restart resumes right after a checkpoint (every `every` steps, or an epoch end) no older
-        # than the one committed before the kill, and not after the last step traced before it.
-        assert (k1 - 1) % every == 0, f"rank {r}: resumed at epoch {e1} step {k1}, not right after a checkpoint"
-        assert g(e_ckpt, k_ckpt) < g(e1, k1) <= g(e0, k0), (r, killed, trace[i - 1], trace[i])
-        assert g(e0, k0) >= g(e_kill, k_kill) - 1
-        restart_points.add((e1, k1))
-        # Before the kill: steps 1.. in order; after the restart: every remaining step exactly once.
-        assert [g(e, k) for e, k, _ in trace[:i]] == list(range(1, g(e0, k0) + 1))
-        assert [g(e, k) for e, k, _ in trace[i:]] == list(range(g(e1, k1), epochs * steps + 1))
-    assert len(restart_points) == 1, f"the ranks resumed at different steps: {restart_points}"
-    (e1, k1), = restart_points
-    assert k1 > 1, f"resumed at the start of epoch {e1}: the mid-epoch checkpoint was not used"
-    # Every epoch, the interrupted one included, trained on world * steps * batch rows (drop_last): the
-    # epoch's rows (and loss, timings) must include the steps trained before the checkpoint it resumed from.
-    assert [e["rows"] for e in metrics["epochs"]] == [world * steps * batch] * epochs, \
-        f"resumed at epoch {e1} step {k1}; per-epoch rows {[e['rows'] for e in metrics['epochs']]}"

@@ -59,11 +59,11 @@ def test_training_path_arrays_equal_serving_path(ray_local, demo_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("label,kind", [("label", "binary"), ("segment", "multiclass"), ("spend", "regression"),
-                                        (["segment", "spend"], "several")])
+@pytest.mark.parametrize("label,kind", [("label", "binary"), (["segment", "spend"], "several")])
 def test_whole_job_learns_and_saves_everything(ray_local, demo_dir, tmp_path, label, kind):
     """Only data.label changes between them: the kind is detected, the head and loss follow it; with
-    several targets one model learns them all and the job reports each beside its own baseline."""
+    several targets (a multiclass and a regression one) one model learns them all and the job reports each
+    beside its own baseline. A single multiclass or regression target: tests/test_model.py, in one process."""
     from pipeline.cli import summary_table
 
     cfg = make_config(demo_dir, **{"run.output": str(tmp_path / "runs"), "train.epochs": 3, "train.batch_size": 256,
@@ -79,16 +79,14 @@ def test_whole_job_learns_and_saves_everything(ray_local, demo_dir, tmp_path, la
         assert [(t["name"], t["kind"]) for t in summary["targets"]] == [("segment", "multiclass"), ("spend", "regression")]
         assert "segment:val_acc" in table and "spend:val_rmse" in table, table
         assert last["segment:val_acc"] > last["segment:baseline_acc"] + 0.05, last
-        assert last["spend:val_rmse"] < 0.6 * last["spend:baseline_rmse"], last
+        assert last["spend:val_rmse"] < 0.6 * last["spend:baseline_rmse"], last  # RMSE in the target's units
+        assert last["metric"] == "val_acc" and last["val_acc"] == last["segment:val_acc"]  # the first target's
+        # a row without a target is dropped, with its reason (the demo's spend has nulls)
+        acct = summary["accounting"]
+        assert acct["dropped_by_reason"] == {"null or NaN target in 'spend'": 24_000 - acct["rows_used"]}, acct
         return
     assert summary["targets"][0]["kind"] == kind
-    if kind == "regression":  # RMSE in the target's units, well under predicting the mean
-        assert last["metric"] == "val_rmse" and last["val_rmse"] < 0.6 * last["baseline_rmse"], last
-        assert summary["accounting"]["dropped_by_reason"] == {"null or NaN target in 'spend'": 24_000 - summary["accounting"]["rows_used"]}
-        return
     assert last["metric"] == "val_acc" and last["val_acc"] > last["baseline_acc"] + 0.05, last
-    if kind == "multiclass":
-        return
     # A CTR user reads AUC and log loss: both beside their baselines, in the table too.
     assert last["baseline_auc"] == 0.5 and last["val_auc"] > 0.75, last
     assert last["val_logloss"] < last["baseline_logloss"] - 0.1, last
@@ -117,50 +115,44 @@ SMALL_RUN = {"train.epochs": 1, "train.batch_size": 256, "train.num_workers": 2,
 
 @pytest.fixture(scope="module")
 def baseline(ray_local, demo_dir, tmp_path_factory) -> dict:
-    """One small run with the rows in memory and the workers started after the fit: what the variants
-    below must equal, loss for loss (one run for both)."""
+    """One small run with the rows in memory and the workers started after the fit: what the run below,
+    with rows memory-mapped from disk and workers started beside the fit, must equal, loss for loss."""
     out = tmp_path_factory.mktemp("baseline")
     return train.run(make_config(demo_dir, **{"run.output": str(out), **SMALL_RUN, "loader.spill": "never",
                                               "run.start_workers": "after_fit"}))
 
 
 @pytest.mark.slow
-def test_rows_memory_mapped_from_disk_train_exactly_as_in_memory(baseline, demo_dir, tmp_path):
-    """loader.spill = always: each rank's rows live in a memory-mapped (already unlinked) file on local
-    disk; the run is the same, loss for loss, and nothing is left in the spill directory."""
-    spill = tmp_path / "spill"
-    mem = baseline
-    disk = train.run(make_config(demo_dir, **{"run.output": str(tmp_path / "b"), **SMALL_RUN, "loader.spill": "always",
-                                              "loader.spill_dir": str(spill), "run.start_workers": "after_fit"}))
-    for key in ("train_loss", "val_loss", "val_acc", "rows"):
-        assert disk["epochs"][0][key] == mem["epochs"][0][key], key
-    assert spill.is_dir() and not list(spill.iterdir())
-
-
-@pytest.mark.slow
-def test_workers_started_beside_the_fit_train_exactly_as_after_it(ray_local, baseline, demo_dir, tmp_path):
-    """run.start_workers = beside_fit: Ray Train's workers start while the driver validates and fits,
-    and take the plan from a PlanBox once it exists; the run is the same, loss for loss. A prepare that
-    fails meanwhile raises its own one-paragraph error, and the early workers end by themselves."""
+def test_rows_memory_mapped_and_workers_started_beside_the_fit_train_exactly_as_the_baseline(ray_local, baseline,
+                                                                                           demo_dir, tmp_path):
+    """Two settings that must not change a run, in one run beside the baseline (rows in memory, workers
+    started after the fit), loss for loss:
+    - loader.spill = always: each rank's rows live in a memory-mapped (already unlinked) file on local
+      disk, and nothing is left in the spill directory;
+    - run.start_workers = beside_fit: Ray Train's workers start while the driver validates and fits, and
+      take the plan from a PlanBox once it exists.
+    A prepare that fails while the workers start raises its own one-paragraph error, and the early
+    workers end by themselves."""
     import shutil
     import time
 
     from pipeline.errors import DataError
 
-    common = SMALL_RUN
-    after = baseline
-    beside = train.run(make_config(demo_dir, **{"run.output": str(tmp_path / "b"), **common, "loader.spill": "never",
-                                                "run.start_workers": "beside_fit"}))
+    spill = tmp_path / "spill"
+    both = train.run(make_config(demo_dir, **{"run.output": str(tmp_path / "b"), **SMALL_RUN, "loader.spill": "always",
+                                              "loader.spill_dir": str(spill), "run.start_workers": "beside_fit"}))
     for key in ("train_loss", "val_loss", "val_acc", "rows"):
-        assert beside["epochs"][0][key] == after["epochs"][0][key], key
-    assert "plan and workers both ready" in beside["time_to_first_step"]
-    assert "plan and workers both ready" not in after["time_to_first_step"]
+        assert both["epochs"][0][key] == baseline["epochs"][0][key], key
+    assert spill.is_dir() and not list(spill.iterdir())
+    assert "plan and workers both ready" in both["time_to_first_step"]
+    assert "plan and workers both ready" not in baseline["time_to_first_step"]
 
     bad = tmp_path / "bad"
     shutil.copytree(demo_dir, bad)
     (bad / "part-99999.parquet").write_bytes(b"")  # validation fails while the workers are starting
     with pytest.raises(DataError, match="part-99999.parquet"):
-        train.run(make_config(str(bad), **{"run.output": str(tmp_path / "c"), **common, "run.start_workers": "beside_fit"}))
+        train.run(make_config(str(bad), **{"run.output": str(tmp_path / "c"), **SMALL_RUN,
+                                           "run.start_workers": "beside_fit"}))
     deadline = time.monotonic() + 120
     while ray_local.available_resources().get("CPU", 0) < ray_local.cluster_resources()["CPU"]:
         assert time.monotonic() < deadline, "the workers started beside a failed fit still hold CPUs"

@@ -64,3 +64,45 @@ def test_a_checkpoint_is_whole_while_reported_and_leaves_no_copy_behind(monkeypa
     (m, d, files), (m2, d2, _) = seen
     assert {loop.CHECKPOINT_FILE, loop.PREPROCESSOR_FILE, "config.json"} <= set(files)
     assert not os.path.exists(d) and d2 is None  # removed once reported; rank > 0 writes nothing
+
+
+@pytest.mark.parametrize("label,kind", [("segment", "multiclass"), ("spend", "regression")])
+def test_a_single_target_model_learns_in_one_process(demo_dir, label, kind):
+    """The job's model, loss and evaluation for one multiclass or one regression target, through the public
+    API in this process (test_integration runs the whole job under Ray Train with both kinds as the targets of
+    one model): the kind is detected, the head and loss follow it, the first target's figures are the
+    unprefixed ones, and the model learns well beyond its baseline. Rows without a target are dropped and
+    said, never trained on."""
+    import pipeline
+    from conftest import make_config
+    from pipeline.job.evaluate import evaluate
+    from pipeline.job.model import batch_loss, build_model
+
+    cfg = make_config(demo_dir, **{"train.batch_size": 256, "train.hidden": [64, 32], "data.label": label})
+    plan = pipeline.prepare(config=cfg, use_ray=False, world_size=1)
+    assert [t.kind for t in plan.fitted.targets] == [kind]
+    acct = plan.accounting.as_dict()
+    if kind == "regression":  # the demo's spend has nulls; each is a dropped row, with its reason
+        assert acct["dropped_by_reason"] == {"null or NaN target in 'spend'": 24_000 - acct["rows_used"]} and \
+            acct["rows_used"] < 24_000, acct
+    data = pipeline.rank_data(plan, rank=0, world_size=1, device="cpu")
+    torch.manual_seed(0)
+    model = build_model(plan.fitted, cfg)
+    opt = Optimizers(model, cfg, sparse=False)
+    first = None
+    for epoch in range(3):
+        data.loader.set_epoch(epoch)
+        for batch in data.loader:
+            loss = batch_loss(plan.fitted, model(batch.x_num, batch.x_cat), batch)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            first = loss.item() if first is None else first
+    assert loss.item() < first
+    last = evaluate(model, data.val, plan.fitted, torch.device("cpu"))
+    if kind == "regression":  # RMSE in the target's units, well under predicting the mean
+        assert last["metric"] == "val_rmse" and last["val_rmse"] < 0.6 * last["baseline_rmse"], last
+        assert last["spend:val_rmse"] == last["val_rmse"]
+    else:
+        assert last["metric"] == "val_acc" and last["val_acc"] > last["baseline_acc"] + 0.05, last
+        assert last["segment:val_acc"] == last["val_acc"] and "val_auc" not in last

@@ -45,7 +45,7 @@ def test_killed_run_resumes_exactly(tmp_path):
     out = str(tmp_path / "runs")
 
     # What an uninterrupted run traces, computed without Ray from the same dataset and sampler code
-    # (tests/test_faults.py checks this against a real uninterrupted run).
+    # (tests/test_multinode.py checks this against a real uninterrupted run).
     batches, _, steps_per_epoch = expected_batches(12_000, 2, 128, 2)
     expected = {r: [(str(e), str(k), hashlib.sha1(batches[(r, e, k)].tobytes()).hexdigest()[:16])
                     for e in range(2) for k in range(1, steps_per_epoch + 1)] for r in (0, 1)}
