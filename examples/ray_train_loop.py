@@ -110,7 +110,14 @@ def main() -> None:
 
     workers = tuple(int(w) for w in args.workers.split(":")) if ":" in args.workers else int(args.workers)
     most = workers[-1] if isinstance(workers, tuple) else workers
-    ray.init(address=os.environ.get("RAY_ADDRESS", "local"), num_cpus=max(4, most + 2))
+    # Ray Train reads each rank's report when its controller polls (every 2 s by default), and a rank's next
+    # report waits for that: at every checkpoint. A Ray started here inherits this (docs/usage.md: Reports).
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+    if "RAY_ADDRESS" in os.environ:  # inside `ray job submit`: the job's runtime env names the worker setup
+        ray.init()
+    else:  # every worker's State API is this Ray's, never another on the machine (docs/api.md)
+        ray.init(address="local", num_cpus=max(4, most + 2),
+                 runtime_env={"worker_process_setup_hook": "pipeline.runtime.setup_worker"})
     plan = pipeline.prepare(args.data, label=args.label, world_size=most)  # rank_data re-plans for fewer
     print("\n".join(plan.describe()))
     trainer = TorchTrainer(

@@ -143,10 +143,15 @@ def init_ray(cfg: Config, train: bool = False) -> None:
             # own (their runtime_env differs), so those would only take CPU from the start (measured at
             # 10M rows on 2 cores: 0.7 s sooner to the first step without them).
             kwargs["_system_config"] = {"prestart_worker_first_driver": False}
-        hook = quiet_worker if cfg.run.dashboard else quiet_worker_without_dashboard
+        hook = setup_worker if cfg.run.dashboard else setup_worker_without_dashboard
         ray.init(address="local", num_cpus=cpus, include_dashboard=cfg.run.dashboard,
                  runtime_env={"worker_process_setup_hook": hook}, **kwargs)
     else:
+        # Joining a cluster from a plain driver: the same worker setup (by name: the cluster's workers import
+        # pipeline anyway). Inside `ray job submit` the job's runtime env names it (jobs/runtime_env.yaml), and
+        # a driver's own would conflict with it; Ray Client (ray://) gets none.
+        if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ and not where.startswith("ray://"):
+            kwargs["runtime_env"] = {"worker_process_setup_hook": "pipeline.runtime.setup_worker"}
         join(where, kwargs)
     quiet_ray_data()
     if train:
@@ -199,21 +204,36 @@ def join(address: str, kwargs: dict) -> None:
                         f"private local Ray instead") from error
 
 
-def quiet_worker() -> None:
-    """Runs in every Ray worker process (runtime_env worker_process_setup_hook; jobs/runtime_env.yaml
-    names it too): Ray Train's INFO lines (resources requested, worker group started with each pid,
-    process group set up) repeat what the [data] and [train] lines say. Its warnings still show."""
+def setup_worker() -> None:
+    """Runs in every Ray worker process (runtime_env worker_process_setup_hook: on the private local Ray, on a
+    cluster joined through run.ray_address, and named in jobs/runtime_env.yaml and the RayJob):
+
+    - RAY_ADDRESS is this worker's own cluster. Ray Train's PlacementGroupCleaner asks the State API every
+      few seconds whether the run's controller still lives, and the State API, given no address, goes to
+      the cluster Ray started last on this machine. With a second Ray on the machine (a `ray start`, another
+      job's private Ray) it asked that one, found no such controller, and removed the live run's placement
+      group: every training worker killed ("Destroying worker since its placement group was removed"), the
+      job failed. Reproduced by starting `ray start --head` beside a running `train`; tests/test_runtime.py.
+    - Ray Train's INFO lines (resources requested, worker group started with each pid, process group set
+      up) repeat what the [data] and [train] lines say: turned down to WARNING (its warnings still show)."""
+    import ray
+
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     logging.getLogger("ray.train").setLevel(logging.WARNING)
 
 
-def quiet_worker_without_dashboard() -> None:
-    """quiet_worker, for the private local Ray started without its dashboard (run.dashboard = false).
+def setup_worker_without_dashboard() -> None:
+    """setup_worker, for the private local Ray started without its dashboard (run.dashboard = false).
     Ray Train's PlacementGroupCleaner asks the State API (a dashboard module) every few seconds whether
     the controller still lives, and warns each time it cannot; it is there to free a dead controller's
     placement group on a cluster that outlives the job, and this Ray ends with the command, placement
     groups and all."""
-    quiet_worker()
+    setup_worker()
     logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
+
+
+# The names runtime envs written before used (jobs/runtime_env.yaml named quiet_worker).
+quiet_worker, quiet_worker_without_dashboard = setup_worker, setup_worker_without_dashboard
 
 
 def quiet_ray_data(progress: bool = True) -> None:

@@ -53,7 +53,8 @@ def ray_local():
     from pipeline.runtime import quiet_ray_data
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
+        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING",
+                 runtime_env={"worker_process_setup_hook": "pipeline.runtime.setup_worker"})  # as the job's Ray
     quiet_ray_data(progress=False)
     yield ray
     ray.shutdown()

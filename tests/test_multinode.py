@@ -167,6 +167,33 @@ CLUSTER_SCRIPT = textwrap.dedent('''
 
         if mode == "node_loss":
             threading.Thread(target=lose_a_worker_node, daemon=True).start()
+        if mode == "elastic":
+            # The one-worker attempt must still be training when the node comes back, however fast or slow this
+            # machine: once it has trained past two of its own mid-epoch checkpoints it holds (sleeps between
+            # steps) until Ray Train, seeing the returned node, restarts the run on two workers and ends it. The
+            # driver hands Ray Train this wrapper for the job's loop (pickled by value from this script).
+            from pipeline.job import driver
+
+            def held_loop(loop_config):
+                import time
+
+                import ray.train
+                from pipeline.job import loop
+
+                every, plain_timed = 20, loop.timed  # train.checkpoint_every_steps of the elastic run
+
+                def timed(loader, stats):
+                    steps = 0
+                    for batch in plain_timed(loader, stats):
+                        yield batch
+                        steps += 1
+                        while ray.train.get_context().get_world_size() == 1 and steps > 2 * every + 2:
+                            time.sleep(0.1)
+
+                loop.timed = timed
+                return loop.train_loop_per_worker(loop_config)
+
+            driver.train_loop_per_worker = held_loop
         if mode == "elastic":  # Cluster.add_node starts processes, which only the main thread may do
             done = {}
             job = threading.Thread(target=lambda: done.update(result=train.run(cfg)), daemon=True)
@@ -256,13 +283,14 @@ def read_trace(path: Path) -> list[tuple[int, int, str]]:
     return [(int(e), int(k), h) for e, k, h in (ln.split() for ln in path.read_text().splitlines())]
 
 
-def rank_nodes(text: str, summary: dict) -> dict[int, str]:
-    """world rank -> node id of its worker, from Train's 'Started training worker group' lines (pid ->
-    rank; the last group started wins) and the GCS actor table (pid -> node)."""
+def rank_nodes(run_dir: Path, summary: dict) -> dict[int, str]:
+    """world rank -> node id of its worker in the last attempt, from sources other than the job's own report:
+    the pid that wrote the rank's last traced step (ids-rank<r>.txt) and the GCS actor table (pid -> node)."""
     pid_node = {w["pid"]: w["node_id"] for w in summary["train_workers"]}
     out = {}
-    for pid, rank in re.findall(r"pid=(\d+)\) world_rank=(\d+), local_rank=\d+, node_rank=\d+", text):
-        out[int(rank)] = pid_node[int(pid)]
+    for r in range(WORLD):
+        last = (run_dir / f"ids-rank{r}.txt").read_text().splitlines()[-1].split()
+        out[r] = pid_node[int(last[4])]
     return out
 
 
@@ -304,13 +332,12 @@ def test_cluster_spreads_ranks_and_splits_rows_exactly(plain_run):
     summary, text, run_dir = plain_run
 
     nodes = summary["nodes"]
-    per_rank = rank_nodes(text, summary)
+    per_rank = rank_nodes(run_dir, summary)
     assert sorted(per_rank) == list(range(WORLD)), text[-4000:]
     # The two ranks ran on different nodes, both worker nodes (the head has no CPU for them).
     assert len(set(per_rank.values())) == WORLD, (per_rank, nodes, summary["spread_by"])
     assert set(per_rank.values()) == {nodes["a"], nodes["b"]}
-    if "node_ids" in summary["run"]["epochs"][0]:  # once the job reports each rank's node itself
-        assert summary["run"]["epochs"][0]["node_ids"] == [per_rank[r] for r in range(WORLD)]
+    assert summary["run"]["epochs"][0]["node_ids"] == [per_rank[r] for r in range(WORLD)]  # as the job reports it
     # Locality: every row of each rank's share was read and transformed on the rank's own node (its
     # worker node has a CPU to spare for Ray Data tasks), so no transformed block crossed the network.
     first = summary["run"]["epochs"][0]
@@ -318,6 +345,10 @@ def test_cluster_spreads_ranks_and_splits_rows_exactly(plain_run):
     assert first["share_rows_local"] == first["share_rows"], first
 
     check_rows_and_steps(text, summary, expected, sizes, steps)
+    # Every worker's State API is this cluster's, never another Ray on the machine (pipeline.runtime.setup_worker:
+    # the run joined through run.ray_address, whose runtime env names it). Unpinned, Ray Train's placement-group
+    # cleaner went to the Ray started last on the machine, saying so on every check.
+    assert "Found multiple active Ray instances" not in text, text[-4000:]
     for r in range(WORLD):  # each rank drew exactly the batches of its share, the same number of steps
         trace = read_trace(run_dir / f"trace-rank{r}.txt")
         assert [(e, k) for e, k, _ in trace] == [(e, k) for e in range(EPOCHS) for k in range(1, steps + 1)]
@@ -353,10 +384,9 @@ def test_cluster_node_loss_resumes_mid_epoch_exactly(tmp_path, plain_run):
     (event,) = summary["events"]
     (ce, ck), (te, tk) = event["committed"], event["traced"]
     nodes = summary["nodes"]
-    per_rank = rank_nodes(text, summary)  # the worker group started after the loss
+    per_rank = rank_nodes(run_dir, summary)  # the worker group started after the loss
     assert sorted(per_rank) == list(range(WORLD)) and nodes[event["lost"]] not in per_rank.values(), (per_rank, nodes)
-    if "node_ids" in summary["run"]["epochs"][-1]:  # once the job reports each rank's node itself
-        assert summary["run"]["epochs"][-1]["node_ids"] == [per_rank[r] for r in range(WORLD)]
+    assert summary["run"]["epochs"][-1]["node_ids"] == [per_rank[r] for r in range(WORLD)]  # as the job reports it
 
     g = lambda e, k: e * steps + k  # noqa: E731 - global step, 1-based within an epoch
     resumed = set()
@@ -412,8 +442,9 @@ def consumed_rows(run_dir: Path) -> dict[int, list[int]]:
 def test_elastic_run_shrinks_on_node_loss_and_grows_back_with_every_row_once_per_epoch(tmp_path):
     """train.num_workers = [1, 2] on the 3-node cluster: a worker node is removed mid-epoch, Ray Train goes
     on with one worker from the last checkpoint; a node is added back and the run grows to two workers at
-    its next resize. The row ids the ranks consumed show every training row exactly once per epoch (less the
-    drop_last remainder of the epoch's last stretch)."""
+    its next resize, from a checkpoint the one worker saved (the one-worker attempt holds after two of them
+    until that resize comes: held_loop in the cluster script). The row ids the ranks consumed show every
+    training row exactly once per epoch (less the drop_last remainder of the epoch's last stretch)."""
     from pipeline.plan import holdout_mask
 
     summary, text, run_dir = run_on_cluster(tmp_path, "elastic")

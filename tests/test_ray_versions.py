@@ -1,4 +1,8 @@
-"""Ray internals are optional: a missing one is skipped, said once under --debug, never a traceback."""
+"""Ray internals are optional: a missing one is skipped, said once under --debug, never a traceback. The
+settings the project gives Ray by name are still Ray's on this version."""
+
+import os
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +59,25 @@ def test_elastic_training_is_refused_in_one_paragraph_where_this_ray_has_none():
             train.check_elastic(elastic, ScalingConfig, ray.__version__)
     with pytest.raises(PipelineError, match="train.num_workers = \\[1, 2\\] asks for elastic training"):
         train.check_elastic(elastic, object, "2.0.0")
+
+
+def test_the_report_poll_is_ray_trains_own_setting_and_a_users_value_wins(monkeypatch):
+    """pipeline.runtime sets how often Ray Train's controller polls its workers (a rank's next report waits
+    for the poll) through Ray Train's own environment variable: it must still be that variable on this Ray,
+    and the job's runtime env and the RayJob set the same one."""
+    import yaml
+
+    from ray.train.v2._internal import constants
+
+    name = constants.HEALTH_CHECK_INTERVAL_S_ENV_VAR
+    assert name == "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+    monkeypatch.delenv(name, raising=False)
+    runtime.report_poll_interval()
+    assert os.environ[name] == runtime.REPORT_POLL_S
+    monkeypatch.setenv(name, "3")
+    runtime.report_poll_interval()
+    assert os.environ[name] == "3"
+    repo = Path(__file__).resolve().parents[1]
+    job_env = yaml.safe_load((repo / "jobs" / "runtime_env.yaml").read_text())["env_vars"]
+    rayjob = yaml.safe_load((repo / "k8s" / "rayjob-gpu.yaml").read_text())
+    assert float(job_env[name]) == float(yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"])["env_vars"][name]) <= 1.0
