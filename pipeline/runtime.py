@@ -208,18 +208,55 @@ def setup_worker() -> None:
     """Runs in every Ray worker process (runtime_env worker_process_setup_hook: on the private local Ray, on a
     cluster joined through run.ray_address, and named in jobs/runtime_env.yaml and the RayJob):
 
-    - RAY_ADDRESS is this worker's own cluster. Ray Train's PlacementGroupCleaner asks the State API every
-      few seconds whether the run's controller still lives, and the State API, given no address, goes to
-      the cluster Ray started last on this machine. With a second Ray on the machine (a `ray start`, another
-      job's private Ray) it asked that one, found no such controller, and removed the live run's placement
-      group: every training worker killed ("Destroying worker since its placement group was removed"), the
-      job failed. Reproduced by starting `ray start --head` beside a running `train`; tests/test_runtime.py.
+    - The State API of this worker is its own cluster's, or none (own_cluster). Ray Train's
+      PlacementGroupCleaner asks it every few seconds whether the run's controller still lives, and removes
+      the run's placement group when the answer is "no such actor". Unpinned, the State API went to the Ray
+      started last on this machine, or to http://127.0.0.1:8265 (what a Ray without a dashboard records as
+      its dashboard's address), i.e. to whichever other Ray's dashboard listens there. That one knew no such
+      controller, and the live run's placement group was removed: every training worker killed ("Destroying
+      worker since its placement group was removed"), the job failed. Reproduced with `ray start --head`
+      beside a running `train`, and in a suite run where another test's job had its dashboard on 8265.
     - Ray Train's INFO lines (resources requested, worker group started with each pid, process group set
       up) repeat what the [data] and [train] lines say: turned down to WARNING (its warnings still show)."""
+    own_cluster()
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
+
+
+# The State API address of a worker whose cluster serves none: port 0 never listens, so every State API call
+# fails at once (Ray Train's cleaner takes that as "unavailable, try again") instead of asking another Ray.
+NO_STATE_API = "http://127.0.0.1:0"
+
+
+def own_cluster() -> None:
+    """RAY_ADDRESS: this worker's own cluster (GCS). RAY_API_SERVER_ADDRESS (the State API): its own
+    dashboard once that answers with this cluster's session name, else NO_STATE_API."""
     import ray
 
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
-    logging.getLogger("ray.train").setLevel(logging.WARNING)
+    os.environ["RAY_API_SERVER_ADDRESS"] = optional("finding this cluster's own dashboard", _own_dashboard) \
+        or NO_STATE_API
+
+
+def _own_dashboard() -> str | None:
+    import json
+    import urllib.request
+
+    import ray
+    import ray.experimental.internal_kv as kv
+    from ray._private import ray_constants
+    from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+
+    where = kv._internal_kv_get(ray_constants.DASHBOARD_ADDRESS, namespace=ray_constants.KV_NAMESPACE_DASHBOARD)
+    if not where:
+        return None
+    url = f"http://{where.decode()}"
+    request = urllib.request.Request(f"{url}/api/version", headers=get_auth_headers_if_auth_enabled({}))
+    try:
+        with urllib.request.urlopen(request, timeout=1.0) as r:
+            session = json.loads(r.read()).get("session_name")
+    except (OSError, ValueError):  # nothing listens there, or not a Ray dashboard, or refused
+        return None
+    return url if session == ray._private.worker.global_worker.node.session_name else None
 
 
 def setup_worker_without_dashboard() -> None:

@@ -47,14 +47,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """A private local Ray (address='local': never joins a leftover cluster), shut down at the end."""
+    """A private local Ray (address='local': never joins a leftover cluster), shut down at the end; its workers
+    set up as those of the job's private Ray without a dashboard (pipeline.runtime)."""
     import ray
 
     from pipeline.runtime import quiet_ray_data
 
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING",
-                 runtime_env={"worker_process_setup_hook": "pipeline.runtime.setup_worker"})  # as the job's Ray
+                 runtime_env={"worker_process_setup_hook": "pipeline.runtime.setup_worker_without_dashboard"})
     quiet_ray_data(progress=False)
     yield ray
     ray.shutdown()

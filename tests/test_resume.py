@@ -52,12 +52,15 @@ def test_killed_run_resumes_exactly(tmp_path):
     assert steps_per_epoch > 20
 
     run_dir = os.path.join(out, "cut")
-    proc = subprocess.Popen(train_cmd(data, out, "cut"), env=env(), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    log = tmp_path / "killed.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(train_cmd(data, out, "cut"), env=env(), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     deadline = time.time() + 300
     while len(read_trace(run_dir, 0)) < 25 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
-    assert proc.poll() is None, "the run ended before it could be killed"
+    assert proc.poll() is None, f"the run ended (exit code {proc.poll()}) before it could be killed; its log:\n" \
+                                f"{log.read_text()[-6000:]}"
     # A real stop: driver, local Ray and training workers. Ray starts its workers in process groups of
     # their own, so the whole tree is killed, and waited for: a worker that outlived its raylet for a
     # moment would otherwise go on writing trace lines after `before` is read.
