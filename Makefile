@@ -6,12 +6,13 @@ BIN    := $(VENV)/bin
 CONFIG ?= configs/demo.toml
 
 # The oldest Ray pyproject.toml accepts, in an environment of its own, with only what differs between
-# Ray versions: the optional internals and the elastic refusal, the fit's Ray tasks and Ray Data, Ray
+# Ray versions: the optional internals and the elastic refusal, the workers' own cluster and State API
+# (tests/test_runtime.py), the fit's Ray tasks and Ray Data, Ray
 # Train's DataConfig for a user's datasets, and the built-in job through `ray job submit` on a real head
 # (Ray Train without Result.return_value, the job server's statuses and logs).
 OLDEST_RAY   ?= 2.52.1
 OLDEST_VENV  ?= .venv-ray-$(OLDEST_RAY)
-OLDEST_TESTS ?= tests/test_ray_versions.py tests/test_jobs.py \
+OLDEST_TESTS ?= tests/test_ray_versions.py tests/test_runtime.py tests/test_jobs.py \
 	tests/test_integration.py::test_distributed_fit_equals_single_process_fit \
 	tests/test_distribution.py::test_users_own_datasets_are_kept_and_split_beside_the_plan
 # Two test processes (pytest-xdist): most tests wait on Ray, so two share this 2-core machine's CPUs well.

@@ -209,7 +209,7 @@ def setup_worker() -> None:
     cluster joined through run.ray_address, and named in jobs/runtime_env.yaml and the RayJob):
 
     - The State API of this worker is its own cluster's, or none (own_cluster). Ray Train's
-      PlacementGroupCleaner asks it every few seconds whether the run's controller still lives, and removes
+      PlacementGroupCleaner asks it every second whether the run's controller still lives, and removes
       the run's placement group when the answer is "no such actor". Unpinned, the State API went to the Ray
       started last on this machine, or to http://127.0.0.1:8265 (what a Ray without a dashboard records as
       its dashboard's address), i.e. to whichever other Ray's dashboard listens there. That one knew no such
