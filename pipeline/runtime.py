@@ -127,7 +127,6 @@ def init_ray(cfg: Config, train: bool = False) -> None:
     # Train V2 prints a line per internal state change; a user wants the epoch lines.
     os.environ.setdefault("RAY_TRAIN_ENABLE_CONTROLLER_STRUCTURED_LOGGING", "0")
     os.environ.setdefault("RAY_TRAIN_ENABLE_WORKER_STRUCTURED_LOGGING", "0")
-    report_poll_interval()
     # A runtime_env only for the private Ray: inside `ray job submit` the job's own (jobs/runtime_env.yaml)
     # applies, and Ray refuses to start a driver whose ray.init(runtime_env=...) conflicts with it.
     kwargs = dict(logging_level=logging.WARNING, configure_logging=True)
@@ -136,6 +135,7 @@ def init_ray(cfg: Config, train: bool = False) -> None:
         cpus = cfg.run.num_cpus or max(os.cpu_count() or 1, cfg.train.workers + 2)
         loopback_only()
         private_quiet()
+        report_poll_interval()  # inherited by the Ray this process starts (a cluster's comes from its own env)
         if train and cfg.loader.read_share == "worker" and cfg.run.fit_on != "ray" and \
                 ray_at_least(PRESTART_SETTING_SINCE):
             # Ray prestarts idle task workers for a new driver; this job runs no Ray tasks (the driver
@@ -218,7 +218,7 @@ def setup_worker() -> None:
       beside a running `train`, and in a suite run where another test's job had its dashboard on 8265.
     - Ray Train's INFO lines (resources requested, worker group started with each pid, process group set
       up) repeat what the [data] and [train] lines say: turned down to WARNING (its warnings still show)."""
-    own_cluster()
+    own_cluster(find_dashboard=True)
     logging.getLogger("ray.train").setLevel(logging.WARNING)
 
 
@@ -227,14 +227,15 @@ def setup_worker() -> None:
 NO_STATE_API = "http://127.0.0.1:0"
 
 
-def own_cluster() -> None:
+def own_cluster(find_dashboard: bool) -> None:
     """RAY_ADDRESS: this worker's own cluster (GCS). RAY_API_SERVER_ADDRESS (the State API): its own
-    dashboard once that answers with this cluster's session name, else NO_STATE_API."""
+    dashboard once that answers with this cluster's session name, else NO_STATE_API (at once, without
+    looking, where the Ray was started without one: find_dashboard=False)."""
     import ray
 
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
-    os.environ["RAY_API_SERVER_ADDRESS"] = optional("finding this cluster's own dashboard", _own_dashboard) \
-        or NO_STATE_API
+    found = optional("finding this cluster's own dashboard", _own_dashboard) if find_dashboard else None
+    os.environ["RAY_API_SERVER_ADDRESS"] = found or NO_STATE_API
 
 
 def _own_dashboard() -> str | None:
@@ -264,8 +265,9 @@ def setup_worker_without_dashboard() -> None:
     Ray Train's PlacementGroupCleaner asks the State API (a dashboard module) every few seconds whether
     the controller still lives, and warns each time it cannot; it is there to free a dead controller's
     placement group on a cluster that outlives the job, and this Ray ends with the command, placement
-    groups and all."""
-    setup_worker()
+    groups and all. It has no State API, so none is looked for."""
+    own_cluster(find_dashboard=False)
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
     logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
 
 

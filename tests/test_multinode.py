@@ -167,12 +167,14 @@ CLUSTER_SCRIPT = textwrap.dedent('''
 
         if mode == "node_loss":
             threading.Thread(target=lose_a_worker_node, daemon=True).start()
-        if mode == "elastic":
+        if mode == "elastic":  # Cluster.add_node starts processes, which only the main thread may do
             # The one-worker attempt must still be training when the node comes back, however fast or slow this
             # machine: once it has trained past two of its own mid-epoch checkpoints it holds (sleeps between
             # steps) until Ray Train, seeing the returned node, restarts the run on two workers and ends it. The
             # driver hands Ray Train this wrapper for the job's loop (pickled by value from this script).
             from pipeline.job import driver
+
+            every = cfg.train.checkpoint_every_steps
 
             def held_loop(loop_config):
                 import time
@@ -180,7 +182,7 @@ CLUSTER_SCRIPT = textwrap.dedent('''
                 import ray.train
                 from pipeline.job import loop
 
-                every, plain_timed = 20, loop.timed  # train.checkpoint_every_steps of the elastic run
+                plain_timed = loop.timed
 
                 def timed(loader, stats):
                     steps = 0
@@ -194,7 +196,7 @@ CLUSTER_SCRIPT = textwrap.dedent('''
                 return loop.train_loop_per_worker(loop_config)
 
             driver.train_loop_per_worker = held_loop
-        if mode == "elastic":  # Cluster.add_node starts processes, which only the main thread may do
+
             done = {}
             job = threading.Thread(target=lambda: done.update(result=train.run(cfg)), daemon=True)
             job.start()
