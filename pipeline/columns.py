@@ -154,26 +154,37 @@ def category_ids(col: pa.ChunkedArray | pa.Array, vocab) -> np.ndarray:
     return ids[pc.fill_null(arr.indices, len(arr.dictionary)).to_numpy(zero_copy_only=False)]
 
 
-def value_counts(col: pa.ChunkedArray | pa.Array) -> dict[str, int]:
+def value_counts(col: pa.ChunkedArray | pa.Array, rows: np.ndarray | None = None) -> dict[str, int]:
     """{value as text (as_string): rows} for the non-null values (targets: a handful of classes)."""
-    t = count_table(col)
+    t = count_table(col, rows)
+    if t.num_rows != pc.count_distinct(t["v"]).as_py():  # two values with one text (3 and 3.0): summed
+        t = count_merge([t, t.slice(0, 0)])
     return dict(zip(t["v"].to_pylist(), t["n"].to_pylist()))
 
 
-def count_table(col: pa.ChunkedArray | pa.Array) -> pa.Table:
+def count_table(col: pa.ChunkedArray | pa.Array, rows: np.ndarray | None = None) -> pa.Table:
     """The non-null values as text (as_string) with their row counts, as an Arrow table {v, n}: at
-    CTR scale (millions of values a column) counts stay columnar, never a Python dict. A dictionary
-    column is counted by its indices, without turning every row into text; a value may appear twice
-    (two dictionary entries with one text), which the merge (count_merge) sums."""
+    CTR scale (millions of values a column) counts stay columnar, never a Python dict. rows: a boolean
+    mask of the rows to count (None: every row), so a caller need not filter the table first.
+
+    Counted before turned into text: a dictionary column by its indices, any other by its values
+    (pyarrow's value_counts), and only the distinct values become text. A text may then appear twice
+    (two dictionary entries with one text, or 3 and 3.0 in a float column), which the merge
+    (count_merge) sums."""
     arr = _combined(col)
     if pa.types.is_dictionary(arr.type):
-        counts = np.bincount(arr.indices.drop_null().to_numpy(zero_copy_only=False), minlength=len(arr.dictionary))
+        size = len(arr.dictionary)
+        idx = arr.indices
+        idx = (pc.fill_null(idx, size) if idx.null_count else idx).to_numpy(zero_copy_only=False)
+        counts = np.bincount(idx if rows is None else idx[rows], minlength=size + 1)[:size]  # slot `size`: null
         used = counts > 0
         values = as_string(arr.dictionary).filter(pa.array(used))
         t = pa.table({"v": values, "n": pa.array(counts[used], pa.int64())})
         return t.filter(pc.is_valid(t["v"]))
-    vc = pc.value_counts(as_string(arr))
-    t = pa.table({"v": vc.field("values"), "n": pc.cast(vc.field("counts"), pa.int64())})
+    if rows is not None:
+        arr = arr.filter(pa.array(rows))
+    vc = pc.value_counts(arr if pa.types.is_string(arr.type) else arr.drop_null())
+    t = pa.table({"v": as_string(vc.field("values")), "n": pc.cast(vc.field("counts"), pa.int64())})
     return t.filter(pc.is_valid(t["v"]))
 
 

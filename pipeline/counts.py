@@ -95,14 +95,8 @@ def split(counts: dict[str, pa.Table], columns: Sequence[Column], partitions: in
     values whose hash falls in range q."""
     out: list[dict[str, pa.Table]] = [{} for _ in range(partitions)]
     for c in columns:
-        t = keyed(counts[c.name], c.counted)
-        q = partition_of(t["h"].to_numpy(), partitions)
-        order = np.argsort(q, kind="stable")
-        t = t.take(pa.array(order))
-        ends = np.cumsum(np.bincount(q, minlength=partitions))
-        for p in range(partitions):
-            lo = int(ends[p - 1]) if p else 0
-            out[p][c.name] = t.slice(lo, int(ends[p]) - lo)
+        for p, t in enumerate(_ranges(keyed(counts[c.name], c.counted), partitions)):
+            out[p][c.name] = t
     return out
 
 
@@ -138,16 +132,23 @@ def reduce_counts(parts: Sequence[dict[str, pa.Table]], columns: Sequence[Column
     vocabulary's values at or above the threshold; for vocab+hash every value)."""
     summary, merged = {}, {}
     for c in columns:
-        t = _merged([p[c.name] for p in parts], c.counted)
-        s: dict[str, Any] = {"distinct": t.num_rows, "rows": int(pc.sum(t["n"]).as_py() or 0)}
-        if c.counted:
-            kept = t.filter(pc.greater_equal(t["n"], c.min_count)) if c.min_count > 1 else t
-            s["hist"] = np.unique(kept["n"].to_numpy(), return_counts=True)
-            merged[c.name] = t if c.buckets_of_rest else kept
-        elif c.buckets:
-            s["buckets"] = _buckets(t, c.buckets)
-        summary[c.name] = s
+        summary[c.name], m = _reduced(_merged([p[c.name] for p in parts], c.counted), c)
+        if m is not None:
+            merged[c.name] = m
     return summary, merged
+
+
+def _reduced(t: pa.Table, c: Column) -> tuple[dict, pa.Table | None]:
+    """(summary, what finalize needs or None) of one column's merged count table {h, n[, v]}."""
+    s: dict[str, Any] = {"distinct": t.num_rows, "rows": int(pc.sum(t["n"]).as_py() or 0)}
+    merged = None
+    if c.counted:
+        kept = t.filter(pc.greater_equal(t["n"], c.min_count)) if c.min_count > 1 else t
+        s["hist"] = np.unique(kept["n"].to_numpy(), return_counts=True)
+        merged = t if c.buckets_of_rest else kept
+    elif c.buckets:
+        s["buckets"] = _buckets(t, c.buckets)
+    return s, merged
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,12 +292,47 @@ def _bucket_share(c: Column, parts: list, rows: int) -> dict[str, float]:
 
 
 def in_process(categories: dict[str, list[pa.Table]], columns: Sequence[Column],
-               partitions: int) -> tuple[list[dict], list[dict], list[dict]]:
+               partitions: int, threads: int | None = None) -> tuple[list[dict], list[dict], list[dict]]:
     """(parts, first, second): parts[q] is range q's part of every vocabulary (finalize's part); first
-    and second: reduce_counts's and finalize's summaries, per range."""
-    from .columns import count_merge
+    and second: reduce_counts's and finalize's summaries, per range.
 
-    mapped = split({c.name: count_merge(categories.get(c.name, [])) for c in columns}, columns, partitions)
-    first, merged = map(list, zip(*(reduce_counts([m], columns) for m in mapped)))
-    second, parts = map(list, zip(*(finalize(m, k, columns) for m, k in zip(merged, cuts(first, columns)))))
+    One process needs less than the cluster's map, reduce and finalize: each column's count tables are
+    merged once (one group-by), so a range's slice of them is already its merged table (no second
+    group-by), and with one range nothing is split. The columns are independent: `threads` of them at
+    once (default: one per core; pyarrow and numpy release the GIL), each through the same functions
+    as the cluster's reducers, so the ids are the same."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    def column(c: Column) -> tuple[list, list, list]:
+        from .columns import count_merge
+
+        t = keyed(count_merge(categories.get(c.name, [])), c.counted)
+        ranges = [t] if partitions == 1 else _ranges(t, partitions)
+        first, merged = map(list, zip(*(_reduced(r, c) for r in ranges)))
+        firsts = [{c.name: f} for f in first]
+        second, parts = map(list, zip(*(finalize({c.name: m} if m is not None else {}, k, [c])
+                                        for m, k in zip(merged, cuts(firsts, [c])))))
+        return firsts, second, parts
+
+    n = max(1, min(len(columns), threads or os.cpu_count() or 1))
+    with ThreadPoolExecutor(n) as pool:
+        done = list(pool.map(column, columns))
+    first: list[dict] = [{} for _ in range(partitions)]
+    second: list[dict] = [{} for _ in range(partitions)]
+    parts: list[dict] = [{} for _ in range(partitions)]
+    for f, s, p in done:  # in column order, as reduce_counts and finalize build their dicts
+        for q in range(partitions):
+            first[q].update(f[q])
+            second[q].update(s[q])
+            parts[q].update(p[q])
     return parts, first, second
+
+
+def _ranges(t: pa.Table, partitions: int) -> list[pa.Table]:
+    """A keyed count table {h, n[, v]} cut into its P hash ranges (split's order: stable within a range)."""
+    q = partition_of(t["h"].to_numpy(), partitions)
+    t = t.take(pa.array(np.argsort(q, kind="stable")))
+    ends = np.cumsum(np.bincount(q, minlength=partitions))
+    return [t.slice(int(ends[p - 1]) if p else 0, int(ends[p]) - (int(ends[p - 1]) if p else 0))
+            for p in range(partitions)]

@@ -8,7 +8,7 @@ the transform pass is checked against it.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -85,6 +85,8 @@ def screen(table: pa.Table, frag, cols: Columns, on_bad_value: str, fitted=None)
     fill: features are filled at transform time (mean / unknown id); a bad target or weight still
     drops its row (a missing target is never made up).
     """
+    if on_bad_value == "fill":  # only a bad target or weight drops a row: the features' checks would change nothing
+        cols = replace(cols, numeric=(), dims=(), categorical=())
     problems = value_problems(table, cols, fitted)
     dropped: Counter = Counter()
     if not problems:

@@ -126,9 +126,17 @@ def shuffle_columns(cols: Columns, max_size: int, min_count: int) -> list[shuffl
     return out + [shuffle.Column(cross_name(x), False, buckets=x.buckets) for x in cols.crosses]
 
 
-def partial_stats(table: pa.Table, cols: Columns) -> PartialStats:
-    """A batch's statistics, of the values each column's scaler sees (after its clip and log1p)."""
-    s = PartialStats(rows=table.num_rows)
+def partial_stats(table: pa.Table, cols: Columns, rows: np.ndarray | None = None) -> PartialStats:
+    """A batch's statistics, of the values each column's scaler sees (after its clip and log1p). rows: a
+    boolean mask of the rows to take (None: all): each column is read out of the batch once and masked
+    as numbers, instead of the whole batch filtered first."""
+    if rows is not None and (cols.crosses or cols.dims and any(cols.dims)):
+        table, rows = table.filter(pa.array(rows)), None  # (crosses and list columns: the plain way)
+    s = PartialStats(rows=table.num_rows if rows is None else int(np.count_nonzero(rows)))
+
+    def taken(v: np.ndarray) -> np.ndarray:
+        return v if rows is None else v[rows]
+
     for c, d, op in zip(cols.numeric, cols.dims, numeric_ops(cols)):
         if d:
             v = prescale(op, feature_values(table, c, d))
@@ -136,7 +144,7 @@ def partial_stats(table: pa.Table, cols: Columns) -> PartialStats:
             s.null_rows[c] = int((~np.isfinite(v)).any(axis=1).sum())
             slots = [v[:, j] for j in range(v.shape[1])]
         else:
-            v = prescale(op, as_float64(table[c]))
+            v = prescale(op, taken(as_float64(table[c])))
             s.numeric[c] = [NumericStats.of(v)]
             s.null_rows[c] = s.numeric[c][0].nulls
             slots = [v]
@@ -144,17 +152,22 @@ def partial_stats(table: pa.Table, cols: Columns) -> PartialStats:
             s.sketches[c] = [Sketch.of(x) for x in slots]
     for c, op in zip(cols.categorical, categorical_ops(cols)):
         # a hashed column is counted by its 64-bit hashes, for its coverage line only (which rows share a bucket)
-        s.categories[c] = [count_table(table[c]) if op.counted else hash_counts(*fnv1a(table[c]))]
-        s.category_nulls[c] = table[c].null_count
+        if op.counted:
+            s.categories[c] = [count_table(table[c], rows)]
+        else:
+            h, ok = fnv1a(table[c])
+            s.categories[c] = [hash_counts(taken(h), taken(ok))]
+        s.category_nulls[c] = table[c].null_count if rows is None else \
+            int(np.count_nonzero(taken(table[c].is_null().to_numpy(zero_copy_only=False))))
     for x in cols.crosses:
         h, ok = cross_hash(table, x.cross)
         s.categories[cross_name(x)] = [hash_counts(h, ok)]
         s.category_nulls[cross_name(x)] = int((~ok).sum())
     for t in cols.targets:
         if t.counted:
-            s.target_counts[t.name] = value_counts(table[t.name])
+            s.target_counts[t.name] = value_counts(table[t.name], rows)
         else:
-            s.target_moments[t.name] = NumericStats.of(as_float64(table[t.name]))
+            s.target_moments[t.name] = NumericStats.of(taken(as_float64(table[t.name])))
     return s
 
 

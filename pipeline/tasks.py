@@ -88,8 +88,9 @@ def fit_fragment(spec: ReadSpec, frag: Fragment, pf=None) -> tuple:
             return frag.row_start, frag.live_rows, None, dropped, quarantine, (0, 0)
         val = _is_val(spec, kept)
         n_val = int(val.sum())
-        train = kept.filter(pa.array(~val)) if n_val else kept
-        return frag.row_start, frag.live_rows, partial_stats(train, spec.columns), dropped, None, (train.num_rows, n_val)
+        # the training rows as a mask: each column is taken out once and masked, not the batch filtered
+        stats = partial_stats(kept, spec.columns, ~val if n_val else None)
+        return frag.row_start, frag.live_rows, stats, dropped, None, (kept.num_rows - n_val, n_val)
     except DataError as e:
         # Returned, not raised: Ray would wrap it in layers of task errors and print a traceback.
         return frag.row_start, str(e), e.details
