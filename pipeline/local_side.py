@@ -18,9 +18,24 @@ def _threads(n: int, sharing: int = 1) -> int:
 
 
 def fit_records(source, spec: tasks.ReadSpec, stall_s: float = 0.0) -> list[tuple]:
+    """fit_group over every group on threads. The category counts are merged by the threads as they go
+    (stats.CountTables) and handed to the first record with statistics, so merge_fit only sums numbers."""
+    from .stats import CountTables
+
     groups = tasks.fragment_groups(source.fragments)
+    counts = CountTables()
+
+    def fit(g: list) -> list[tuple]:
+        records = tasks.fit_group(spec, g)
+        counts.take(r[2] for r in records if len(r) == 6)
+        return records
+
     with ThreadPoolExecutor(_threads(len(groups))) as pool:
-        return [r for records in pool.map(lambda g: tasks.fit_group(spec, g), groups) for r in records]
+        records = [r for rs in pool.map(fit, groups) for r in rs]
+    first = min((r for r in records if len(r) == 6 and r[2] is not None), key=lambda r: r[0], default=None)
+    if first is not None:
+        counts.give(first[2])
+    return records
 
 
 def read_share(plan, rank: int, sink: Callable[[tasks.Part, bool], None], ranks_on_node: int = 1) -> tuple[int, float]:

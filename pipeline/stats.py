@@ -102,6 +102,50 @@ class PartialStats:
 _MERGE_EVERY = 64  # count tables are kept apart and merged in one group-by: at most this many at a time
 
 
+class CountTables:
+    """Category count tables gathered from partial statistics as threads finish them, merged (one
+    group-by per column, every _MERGE_EVERY tables) by the thread that brings the last one, so the
+    merging overlaps the other threads' reading instead of running after them in one thread (merge_fit
+    merges the statistics in fragment order; counts can be summed in any order)."""
+
+    def __init__(self):
+        import threading
+
+        self._lock = threading.Lock()
+        self._tables: dict[str, list[pa.Table]] = {}  # per column: tables as they came
+        self._merged: dict[str, list[pa.Table]] = {}  # per column: merges of _MERGE_EVERY of them (never merged
+        # again here: a merge of every table so far each time would go over the first ones again and again)
+
+    def take(self, parts) -> None:
+        """Move the count tables out of these PartialStats (None entries are skipped) into here."""
+        for s in parts:
+            if s is None:
+                continue
+            for c, tables in list(s.categories.items()):
+                self._add(c, tables)
+            s.categories.clear()
+
+    def _add(self, c: str, tables: list[pa.Table]) -> None:
+        with self._lock:
+            have = self._tables.setdefault(c, [])
+            have += tables
+            if len(have) < _MERGE_EVERY:
+                return
+            self._tables[c] = []
+        merged = count_merge(have)  # outside the lock: the other columns and threads go on
+        with self._lock:
+            self._merged.setdefault(c, []).append(merged)
+            if len(self._merged[c]) >= _MERGE_EVERY:  # (beyond 64 x 64 fragments)
+                self._tables[c].append(count_merge(self._merged.pop(c)))
+
+    def give(self, s: PartialStats) -> None:
+        """Hand the tables gathered to one PartialStats (the merge of the rest then adds none); the last
+        merge is counts.in_process's, one group-by per column."""
+        for c in self._tables.keys() | self._merged.keys():
+            s.categories[c] = self._merged.get(c, []) + self._tables.get(c, []) + s.categories.get(c, [])
+        self._tables, self._merged = {}, {}
+
+
 def feature_values(table: pa.Table, name: str, dim: int) -> np.ndarray:
     """A numeric feature column as float64 [n, max(dim, 1)], NaN where missing (or a list of another length)."""
     if dim:
@@ -137,6 +181,13 @@ def partial_stats(table: pa.Table, cols: Columns, rows: np.ndarray | None = None
     def taken(v: np.ndarray) -> np.ndarray:
         return v if rows is None else v[rows]
 
+    left_out = None if rows is None else pa.array(np.flatnonzero(~rows))
+
+    def nulls(col) -> int:  # a column's nulls in the rows taken: its nulls less those in the (few) rows left out
+        if rows is None or not col.null_count:
+            return col.null_count
+        return col.null_count - col.take(left_out).null_count
+
     for c, d, op in zip(cols.numeric, cols.dims, numeric_ops(cols)):
         if d:
             v = prescale(op, feature_values(table, c, d))
@@ -157,8 +208,7 @@ def partial_stats(table: pa.Table, cols: Columns, rows: np.ndarray | None = None
         else:
             h, ok = fnv1a(table[c])
             s.categories[c] = [hash_counts(taken(h), taken(ok))]
-        s.category_nulls[c] = table[c].null_count if rows is None else \
-            int(np.count_nonzero(taken(table[c].is_null().to_numpy(zero_copy_only=False))))
+        s.category_nulls[c] = nulls(table[c])
     for x in cols.crosses:
         h, ok = cross_hash(table, x.cross)
         s.categories[cross_name(x)] = [hash_counts(h, ok)]

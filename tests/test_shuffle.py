@@ -239,3 +239,44 @@ def test_a_fitted_state_pickled_when_the_parts_lived_in_vocab_py_still_loads():
     assert type(old.vocab[0]).__module__ == "pipeline.vocab_parts"
     table = pa.Table.from_pandas(df.head(200), preserve_index=False)
     np.testing.assert_array_equal(old.transform(table).x_cat, fitted.transform(table).x_cat)
+
+
+def test_counts_merged_by_threads_as_they_come_equal_one_merge_and_a_mask_equals_a_filter():
+    """The local fit's threads merge count tables as they finish them (stats.CountTables, every 64 tables,
+    in any order), and take the training rows by mask; the statistics and the ids are those of merging
+    the filtered batches in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipeline.stats import CountTables
+
+    df = heavy_tailed(40_000, 3_000, seed=5)
+    cols = columns()
+    batches = [pa.Table.from_pandas(df.iloc[p], preserve_index=False) for p in np.array_split(np.arange(len(df)), 150)]
+    rng = np.random.default_rng(0)
+    masks = [rng.random(b.num_rows) < 0.9 for b in batches]
+    plain = PartialStats()
+    for b, m in zip(batches, masks):
+        plain = plain.merge(partial_stats(b.filter(pa.array(m)), cols))
+    gathered = CountTables()
+
+    def one(i: int) -> PartialStats:
+        s = partial_stats(batches[i], cols, masks[i])
+        gathered.take([s])
+        return s
+
+    with ThreadPoolExecutor(3) as pool:
+        parts = list(pool.map(one, range(len(batches))))
+    gathered.give(parts[0])
+    threaded = PartialStats()
+    for s in parts:
+        threaded = threaded.merge(s)
+    assert threaded.rows == plain.rows and threaded.category_nulls == plain.category_nulls
+    assert threaded.target_counts == plain.target_counts
+    assert [(n.count, n.mean, n.m2, n.nulls) for n in threaded.numeric["x"]] == \
+        [(n.count, n.mean, n.m2, n.nulls) for n in plain.numeric["x"]]
+    opts = dict(max_size=500, min_count=2, missing_indicator=False)
+    a = FittedPreprocessor.from_stats(plain, cols, **opts)
+    b = FittedPreprocessor.from_stats(threaded, cols, **opts)
+    for c, va, vb in zip(cols.categorical, a.vocab, b.vocab):
+        assert len(va) > 0 and list(va) == list(vb), c
+    assert a.stats["categorical"] == b.stats["categorical"]
