@@ -349,16 +349,28 @@ def plot(res: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _datasets(text: str) -> str:
+    import argparse
+
+    bad = [d for d in text.split(",") if d not in ("demo", "criteo")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown dataset {bad[0]!r}: choose demo, criteo or demo,criteo")
+    return text
+
+
 def add_parser(sub, add_config_flags) -> None:
     p = sub.add_parser("bench", help="measure this loader against a per-row DataLoader, Ray Data and the memory limit "
                                      "(--mode loader), or preprocessing against a hand-written script (--mode preprocess)",
                        description=__doc__)
     p.add_argument("--mode", choices=["loader", "preprocess"], default="loader",
                    help="preprocess: see `pipeline/bench_preprocess.py` (fit + transform vs a single-process script)")
-    p.add_argument("--rows", type=int, default=None, help="default 2M (loader), 10M (preprocess; 2M for criteo)")
-    p.add_argument("--dataset", choices=["demo", "criteo"], default="demo",
-                   help="preprocess: the demo data and recipe, or Criteo-shaped data and the DLRM recipe")
-    p.add_argument("--shards", type=int, default=32, help="preprocess: files the rows are written in")
+    p.add_argument("--rows", default=None, help="default 2M (loader), 10M (preprocess demo; criteo: 2M and 10M); "
+                                               "preprocess: several, comma-separated, are measured side by side")
+    p.add_argument("--dataset", default="demo", type=_datasets,
+                   help="preprocess: demo (the demo data and recipe), criteo (Criteo-shaped data and the DLRM "
+                        "recipe), or both comma-separated (demo,criteo: every case side by side in one run)")
+    p.add_argument("--shards", type=int, default=None, help="preprocess: files the rows are written in (default 32 "
+                                                             "for demo, 16 for criteo, 64 for --scale)")
     p.add_argument("--world", type=int, default=2, help="preprocess: ranks whose shares are transformed")
     p.add_argument("--data", default=None, help="preprocess: where the files are (default data/bench-<rows>)")
     p.add_argument("--read-share", choices=["worker", "ray_data"], default="worker",
@@ -397,10 +409,10 @@ def _cmd(cfg, args) -> int:
 
             args.out, args.plot = args.out.replace("preprocess", "scale"), args.plot.replace("preprocess", "scale")
             args.partitions = args.partitions if args.partitions == "auto" else int(args.partitions)
-            args.shards = args.shards if args.shards != 32 else 64
+            args.shards = args.shards or 64
             return bench_scale.main(args)
         return bench_preprocess.main(args)
-    args.rows, args.repeats = args.rows or 2_000_000, args.repeats or 3
+    args.rows, args.repeats = int(args.rows or 2_000_000), args.repeats or 3
     res = run(args.rows, args.features, args.categorical, [int(b) for b in args.batch_sizes.split(",")],
               args.device, args.budget, not args.no_ray, args.repeats)
     from .bench_report import report

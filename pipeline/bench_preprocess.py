@@ -234,11 +234,16 @@ def run(rows: int, shards: int, world: int, data_dir: str | None, repeats: int, 
     for _ in range(repeats):  # interleaved: a noisy neighbour slows one sample, not one side
         res["handwritten"].append(DATASETS[dataset][2](paths))
         res["project"].append(project(path, world, how, dataset))
+    if repeats:
+        _best(res)
+    return res
+
+
+def _best(res: dict) -> None:
     h = min(res["handwritten"], key=lambda r: r["seconds"])
     p = min(res["project"], key=lambda r: r["seconds"])
     res["best"] = {"handwritten": h, "project": p, "ratio_project_over_handwritten": p["seconds"] / h["seconds"],
                    "worst_rank_uss_over_packed": max(r["uss_peak_extra"] / r["packed_bytes"] for r in p["ranks"])}
-    return res
 
 
 def table(res: dict) -> str:
@@ -270,30 +275,85 @@ def plot(res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    b = res["best"]
-    h, p = b["handwritten"], b["project"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.barh(["(h) hand-written", "(p) this project"], [h["seconds"], 0], color="grey")
-    ax1.barh(["(p) this project"], [p["prepare_s"]], label="validate + fit")
-    ax1.barh(["(p) this project"], [p["transform_s"]], left=[p["prepare_s"]], label="share -> packed tensor")
+    every = res.get("cases", [res])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 1.5 + 1.2 * len(every)))
+    for i, r in enumerate(every):  # per case: the script's bar, then the project's (fit, then the slowest share)
+        h, p = r["best"]["handwritten"], r["best"]["project"]
+        name = f"{r.get('dataset', 'demo')} {r['rows'] / 1e6:g}M"
+        ax1.barh([f"{name} (h)"], [h["seconds"]], color="grey", label="hand-written" if not i else None)
+        ax1.barh([f"{name} (p)"], [p["prepare_s"]], color="C0", label="validate + fit" if not i else None)
+        ax1.barh([f"{name} (p)"], [p["transform_s"]], left=[p["prepare_s"]], color="C1",
+                 label="slowest share -> packed tensor" if not i else None)
+    ax1.invert_yaxis()
     ax1.set_xlabel("seconds")
-    ax1.set_title(f"Preprocessing {res['rows']:,} rows, {res['cpu_count']} cores")
+    ax1.set_title(f"Preprocessing, {res['cpu_count']} cores")
     ax1.legend()
+    p = every[-1]["best"]["project"]
     ranks = p["ranks"]
     x = np.arange(len(ranks))
     ax2.bar(x - 0.2, [r["packed_bytes"] / 2**20 for r in ranks], 0.4, label="packed rows")
     ax2.bar(x + 0.2, [r["uss_peak_extra"] / 2**20 for r in ranks], 0.4, label="peak USS beyond fixed size")
     ax2.set_xticks(x, [f"rank {r['rank']}" for r in ranks])
     ax2.set_ylabel("MiB")
-    ax2.set_title("A rank's memory against its share")
+    ax2.set_title(f"A rank's memory against its share ({every[-1]['rows']:,} rows)")
     ax2.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
+def cases(datasets: str, rows: str | int | None) -> list[tuple[str, int]]:
+    """(dataset, rows) of every case a run measures: each dataset named (comma-separated) at each row
+    count given (comma-separated), or at its default (demo: 10M; criteo: 2M and 10M, as issue 38 asks)."""
+    default = {"demo": [10_000_000], "criteo": [2_000_000, 10_000_000]}
+    sizes = [int(r) for r in str(rows).split(",")] if rows else None
+    return [(d, n) for d in datasets.split(",") for n in (sizes or default[d])]
+
+
+SHARDS = {"demo": 32, "criteo": 16}  # files a dataset's rows are written in, unless --shards says
+
+
+def run_cases(todo: list[tuple[str, int]], shards: int | None, world: int, data_dir: str | None, repeats: int,
+              how: str = "worker") -> dict:
+    """Every case side by side in one run: the cases interleaved within each repetition (script, then the
+    project), so that a busy neighbour slows a repetition of every case, not one case. One case: run()'s
+    figures; several: under "cases" (the first one's also at the top, as run() gives them)."""
+    if len(todo) == 1:
+        d, n = todo[0]
+        return run(n, shards or SHARDS[d], world, data_dir, repeats, how, d)
+    runs = []
+    for d, n in todo:  # the files first (written once, kept under data/)
+        runs.append(run(n, shards or SHARDS[d], world, None if data_dir is None else f"{data_dir}/{d}-{n}", 0, how, d))
+    for _ in range(repeats):
+        for r in runs:
+            r["handwritten"].append(DATASETS[r["dataset"]][2](_paths(r["data"])))
+            r["project"].append(project(r["data"], world, how, r["dataset"]))
+    for r in runs:
+        _best(r)
+    return {**runs[0], "cases": runs}
+
+
+def _paths(path: str) -> list[str]:
+    return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".parquet"))
+
+
+def summary(res: dict) -> str:
+    """One line per case: fit (validate + fit pass), the slowest rank's share, total, the script, and the
+    ratio: of the best of each side, and its spread over the repetitions (each project run over the
+    script run beside it)."""
+    lines = [f"{'case':>22} {'fit s':>7} {'share s':>8} {'total s':>8} {'script s':>9} {'ratio':>6}  ratio per repetition"]
+    for r in res.get("cases", [res]):
+        b = r["best"]
+        h, p = b["handwritten"], b["project"]
+        each = [q["seconds"] / g["seconds"] for g, q in zip(r["handwritten"], r["project"])]
+        lines.append(f"{r['dataset'] + ' ' + format(r['rows'], ','):>22} {p['prepare_s']:7.2f} {p['transform_s']:8.2f} "
+                     f"{p['seconds']:8.2f} {h['seconds']:9.2f} {b['ratio_project_over_handwritten']:6.2f}  "
+                     + " ".join(f"{x:.2f}" for x in each))
+    return "\n".join(lines)
+
+
 def main(args) -> int:
     from .bench_report import report
 
-    res = run(args.rows or (10_000_000 if args.dataset == "demo" else 2_000_000), args.shards, args.world, args.data,
-              args.repeats, args.read_share, args.dataset)
-    return report(res, table, plot, args)
+    res = run_cases(cases(args.dataset, args.rows), args.shards, args.world, args.data, args.repeats, args.read_share)
+    return report(res, lambda r: "\n\n".join([*(table(c) for c in r.get("cases", [r])), summary(r)]),
+                  lambda r, path: plot(r, path), args)

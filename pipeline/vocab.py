@@ -117,7 +117,8 @@ class Vocabulary(Sequence[str]):
 
         h, valid = fnv1a(strings)
         rows = np.flatnonzero(valid)
-        pos = self.positions(strings.take(pa.array(rows)), h[rows])
+        every = len(rows) == len(strings)  # (a dictionary's entries: no copy)
+        pos = self.positions(strings if every else strings.take(pa.array(rows)), h if every else h[rows])
         found = pos >= 0
         out[rows[found]] = pos[found] + 1
         return out
@@ -135,7 +136,8 @@ class Vocabulary(Sequence[str]):
             rows, pos, slot = rows[found], pos[found], slot[found]
             if not rows.size:
                 break
-            got, asked = self.values.take(pa.array(pos)), strings.take(pa.array(rows))
+            got = self.values.take(pa.array(pos))
+            asked = strings if len(rows) == len(strings) else strings.take(pa.array(rows))  # (every row: no copy)
             if got.type != asked.type:
                 got = got.cast(asked.type)
             same = pc.equal(asked, got).to_numpy(zero_copy_only=False)

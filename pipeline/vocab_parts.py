@@ -226,7 +226,9 @@ class PartedVocabulary(Sequence[str]):
                 continue
             r = rows[bounds[p]:bounds[p + 1]]
             values, hashes, ids, index = self.parts.part(int(p))[self.name]
-            pos = Vocabulary(values, hashes, index).positions(strings.take(pa.array(r)), h[r])
+            every = len(r) == len(strings)  # one part holds them all (P = 1, no null): no copy of the texts
+            pos = Vocabulary(values, hashes, index).positions(strings if every else strings.take(pa.array(r)),
+                                                              h if every else h[r])
             found = pos >= 0
             out[r[found]] = ids[pos[found]]
         return out

@@ -45,3 +45,20 @@ def test_preprocess_bench_on_criteo_shaped_data_says_the_fitted_states_size(tmp_
     p = json.loads(out.read_text())["best"]["project"]
     assert p["state_bytes"]["preprocessor.json"] > 0 and p["vocab_values"] > 0
     assert sum(r["rows"] for r in p["ranks"]) == 20_000
+
+
+def test_preprocess_bench_runs_several_cases_side_by_side(tmp_path, capsys, ray_local):
+    out = tmp_path / "cases.json"
+    rc = cli.main(["bench", "--mode", "preprocess", "--dataset", "demo,criteo", "--rows", "12000,20000", "--shards", "2",
+                   "--data", str(tmp_path / "d"), "--out", str(out), "--plot", str(tmp_path / "cases.png")])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "ratio per repetition" in text and "criteo 20,000" in text and "demo 12,000" in text
+    res = json.loads(out.read_text())
+    assert [(c["dataset"], c["rows"]) for c in res["cases"]] == [("demo", 12_000), ("demo", 20_000),
+                                                                 ("criteo", 12_000), ("criteo", 20_000)]
+    for c in res["cases"]:
+        p = c["best"]["project"]
+        assert c["best"]["handwritten"]["rows"] == c["rows"] == sum(r["rows"] for r in p["ranks"])
+        assert c["best"]["ratio_project_over_handwritten"] == p["seconds"] / c["best"]["handwritten"]["seconds"]
+    assert (tmp_path / "cases.png").stat().st_size > 0
