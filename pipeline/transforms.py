@@ -229,6 +229,7 @@ class _Through:
 
 def apply_numeric(op: NumericOp, fitted: list[FittedNumeric], v: np.ndarray) -> np.ndarray:
     """float64 [n, k] (NaN where missing) -> the transformed values, float64 [n, k]."""
+    given = v
     if op.clip_quantiles:
         v = prescale(op, v, np.asarray([f.clip[0] for f in fitted]), np.asarray([f.clip[1] for f in fitted]))
     else:
@@ -240,8 +241,12 @@ def apply_numeric(op: NumericOp, fitted: list[FittedNumeric], v: np.ndarray) -> 
             out[:, j] = np.searchsorted(np.asarray(f.boundaries), col, side="right")
             out[~np.isfinite(col), j] = f.fill
         return out
-    z = v - np.asarray([f.shift for f in fitted])
-    z /= np.asarray([f.scale for f in fitted])  # in place: no second [n, k] temporary
+    shift, scale = np.asarray([f.shift for f in fitted]), np.asarray([f.scale for f in fitted])
+    if not (shift.any() or np.signbit(shift).any()) and (scale == 1.0).all():  # scale "none": x - (+0) / 1 is x
+        z = v if v is not given else v.copy()
+    else:
+        z = v - shift
+        z /= scale  # in place: no second [n, k] temporary
     bad = ~np.isfinite(z)
     if bad.any():
         fills = np.asarray([f.fill for f in fitted])

@@ -253,10 +253,15 @@ def build_index(hashes: np.ndarray) -> np.ndarray:
 def probe(table: np.ndarray, hashes: np.ndarray, h: np.ndarray, slot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(position, slot) int64 [n]: linear probing from `slot` to the first value whose hash equals h
     (position -1 where an empty slot comes first), and the slot it was found in."""
-    pos = np.full(len(h), -1, np.int64)
+    # The first step for every row at once, without the bookkeeping of the rows still probing (most
+    # rows end here: the table is at most half full)
+    at = table[slot]
+    filled = at >= 0
+    hit = filled & (hashes[np.where(filled, at, 0)] == h)
+    pos = np.where(hit, at, -1).astype(np.int64)
     at_slot = slot.copy()
-    todo = np.arange(len(h))
-    slot = slot.copy()
+    todo = np.flatnonzero(filled & ~hit)
+    slot = slot[todo] + 1
     while todo.size:
         at = table[slot]
         filled = at >= 0
