@@ -180,12 +180,12 @@ def count_table(col: pa.ChunkedArray | pa.Array, rows: np.ndarray | None = None)
         used = counts > 0
         values = as_string(arr.dictionary).filter(pa.array(used))
         t = pa.table({"v": values, "n": pa.array(counts[used], pa.int64())})
-        return t.filter(pc.is_valid(t["v"]))
+        return t.filter(pc.is_valid(t["v"])) if values.null_count else t
     if rows is not None:
         arr = arr.filter(pa.array(rows))
     vc = pc.value_counts(arr if pa.types.is_string(arr.type) else arr.drop_null())
     t = pa.table({"v": as_string(vc.field("values")), "n": pc.cast(vc.field("counts"), pa.int64())})
-    return t.filter(pc.is_valid(t["v"]))
+    return t.filter(pc.is_valid(t["v"])) if t["v"].null_count else t
 
 
 def count_merge(parts: list[pa.Table]) -> pa.Table:
