@@ -40,6 +40,7 @@ from .preprocess import FittedPreprocessor, coverage_lines, shuffle_columns
 from .quality import Accounting
 from .source import Source, inspect, list_reasons
 from .tasks import ReadSpec, merge_fit
+from .vocab_parts import keep_beyond_session
 
 _PLAN_FORMAT = "pipeline.IngestPlan/1"
 _SECTIONS = ("data", "quality", "preprocess")  # where prepare()'s keyword arguments are looked up
@@ -363,6 +364,7 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
                                **({"shuffle": shuffle_memory(shuffled)} if shuffled else {})})
     if _ray_ready():
         fitted.shared()  # tasks and training workers get the vocabularies from the object store, not pickled in
+        keep_beyond_session(fitted.vocab, fitted.vocab_digest)  # the plan still saves and serves after ray.shutdown()
     if min(plan.train_sizes) == 0:
         raise DataError(f"{world} ranks but only {plan.train_rows:,} training rows: ranks "
                         f"{[r for r, n in enumerate(plan.train_sizes) if n == 0]} would get none; use fewer ranks")
