@@ -1,0 +1,84 @@
+"""Warm start (pipeline.grow_embedding): an embedding table grown to an increment's id counts keeps every
+known row bit for bit at its column's new place, starts the new rows as a fresh module would, and carries
+the optimizer's per-row state the same way, for dense and sparse optimizers alike; then it trains on."""
+
+import pytest
+import torch
+from torch import nn
+
+import pipeline
+from pipeline.errors import PipelineError
+
+BEFORE, AFTER = [4, 1, 6], [7, 1, 9]  # rows per column block (column b did not grow)
+
+
+def trained(module, opt, steps: int = 3):
+    for s in range(steps):
+        ids = torch.tensor([[0, 4, 5], [3, 4, 10], [1, 4, 7]])
+        out = module(ids)  # a bag: each row of ids is one bag
+        opt.zero_grad()
+        out.pow(2).sum().backward()
+        opt.step()
+
+
+def placed(before, after):
+    """(old row, new row) of every known row: a column's ids stay, its block moves by the growth before it."""
+    out, old_at, new_at = [], 0, 0
+    for b, a in zip(before, after):
+        out += [(old_at + i, new_at + i) for i in range(b)]
+        old_at, new_at = old_at + b, new_at + a
+    return out
+
+
+OPTIMIZERS = {
+    "adam": (False, lambda p: torch.optim.Adam(p, lr=0.1)),
+    "adamw": (False, lambda p: torch.optim.AdamW(p, lr=0.1)),
+    "sgd-momentum": (False, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+    "adagrad": (False, lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.5)),
+    "sparse-adam": (True, lambda p: torch.optim.SparseAdam(p, lr=0.1)),
+    "sparse-sgd": (True, lambda p: torch.optim.SGD(p, lr=0.1)),
+}
+
+
+@pytest.mark.parametrize("kind", ["embedding", "bag"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_known_rows_and_their_optimizer_state_are_kept_bit_for_bit_before_the_first_step(kind, name):
+    sparse, make = OPTIMIZERS[name]
+    torch.manual_seed(0)
+    module = nn.Embedding(sum(BEFORE), 5, sparse=sparse) if kind == "embedding" else \
+        nn.EmbeddingBag(sum(BEFORE), 5, mode="sum", sparse=sparse)
+    opt = make(module.parameters())
+    trained(module, opt)
+    old_w = module.weight.detach().clone()
+    old_state = {k: v.clone() for k, v in opt.state[module.weight].items() if torch.is_tensor(v)}
+    gen = torch.Generator().manual_seed(7)
+    assert pipeline.grow_embedding(module, (BEFORE, AFTER), opt, generator=gen) is module
+    w = module.weight.detach()
+    assert w.shape == (sum(AFTER), 5) and module.num_embeddings == sum(AFTER)
+    moved = placed(BEFORE, AFTER)
+    for o, n in moved:
+        assert torch.equal(w[n], old_w[o])  # bit for bit
+    fresh = sorted(set(range(sum(AFTER))) - {n for _, n in moved})
+    assert torch.equal(w[fresh], torch.randn(len(fresh), 5, generator=torch.Generator().manual_seed(7)))
+    state = opt.state[module.weight]
+    for k, v in old_state.items():
+        if v.dim() == 0:
+            assert torch.equal(state[k], v)  # Adam's step count
+            continue
+        for o, n in moved:
+            assert torch.equal(state[k][n], v[o])
+        start = 0.5 if k == "sum" else 0.0  # Adagrad starts a row at its initial accumulator, the rest at zero
+        assert torch.all(state[k][fresh] == start)
+    trained(module, opt, steps=2)  # the optimizer steps on the grown table
+    assert torch.isfinite(module.weight).all()
+
+
+def test_a_growth_by_column_name_picks_the_tables_blocks_and_a_shrink_or_another_model_is_refused():
+    growth = {"a": (4, 7), "b": (1, 1), "c": (6, 9), "unused": (3, 5)}
+    module = nn.Embedding(11, 2)
+    pipeline.grow_embedding(module, growth, columns=["a", "b", "c"])
+    assert module.weight.shape[0] == 17
+    with pytest.raises(PipelineError, match="has 17 rows but"):
+        pipeline.grow_embedding(module, growth)  # all four columns: not this table
+    with pytest.raises(PipelineError, match="would shrink"):
+        pipeline.grow_embedding(nn.Embedding(10, 2), ([4, 6], [5, 5]))
