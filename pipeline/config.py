@@ -86,9 +86,13 @@ class GenerateSection(_Section):
     dataset: Literal["demo", "criteo"] = Field("demo", description="demo: the embedded demo dataset; criteo: "
                                                "click-through-rate data shaped like Criteo Kaggle (13 counts, 26 "
                                                "hashed categoricals with its cardinalities, a binary label)")
-    rows: int = Field(2_000_000, ge=1, description="rows in the demo dataset")
+    rows: int = Field(2_000_000, ge=1, description="rows in the demo dataset (with days: rows per day)")
     shards: int = Field(16, ge=1, description="Parquet files the demo dataset is split into")
     seed: int = 0
+    days: int = Field(0, ge=0, description="N > 0: the daily table instead, a Delta table at data.path with one commit "
+                                           "per day 1..N (click-through-rate events whose users and items drift; "
+                                           "the days it already holds are kept, so each call appends the missing "
+                                           "ones, as a production table gains a day each morning)")
 
 
 class ColumnTransform(_Section):

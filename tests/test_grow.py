@@ -82,3 +82,29 @@ def test_a_growth_by_column_name_picks_the_tables_blocks_and_a_shrink_or_another
         pipeline.grow_embedding(module, growth)  # all four columns: not this table
     with pytest.raises(PipelineError, match="would shrink"):
         pipeline.grow_embedding(nn.Embedding(10, 2), ([4, 6], [5, 5]))
+
+
+def test_the_daily_table_gains_one_commit_per_day_with_drifting_users_and_keeps_its_days(tmp_path):
+    """`generate --generate.days N`: a Delta table, day k at version k-1, each call appending the days it lacks
+    (the days before untouched); every day brings users no earlier day had, and some old ones stop coming."""
+    import pyarrow.compute as pc
+    from deltalake import DeltaTable
+
+    from pipeline import demo
+
+    uri = str(tmp_path / "daily")
+    assert demo.generate_daily(uri, 2, 4000) == [1, 2]
+    first = DeltaTable(uri).to_pyarrow_table().sort_by("user")
+    assert demo.generate_daily(uri, 4, 4000) == [3, 4] and demo.generate_daily(uri, 4, 4000) == []
+    t = DeltaTable(uri)
+    assert t.version() == 3 and [h["operation"] for h in t.history()].count("WRITE") == 4
+    again = DeltaTable(uri, version=1).to_pyarrow_table().sort_by("user")
+    assert again.equals(first)  # the days before are what they were
+    rows = t.to_pyarrow_table()
+    users = [set(rows.filter(pc.equal(rows["day"], d))["user"].to_pylist()) for d in range(1, 5)]
+    assert all(len(users[d] - set().union(*users[:d])) > 0.3 * len(users[d]) for d in range(1, 4))  # new users
+    assert len(users[0] - users[3]) > 0.3 * len(users[0])  # faded
+    rate = pc.mean(rows["clicked"].cast("float64")).as_py()
+    assert 0.05 < rate < 0.5
+    with pytest.raises(PipelineError, match="other settings"):
+        demo.generate_daily(uri, 5, 3000)
