@@ -26,20 +26,23 @@ from typing import Any, Callable, Mapping, Sequence
 from .errors import PipelineError
 
 
-def _counts(growth: Any, columns: Sequence[str] | None) -> tuple[list[int], list[int]]:
-    """(rows before, rows after) per column, from FittedPreprocessor.growth's result (a mapping of column ->
-    (before, after), or -> an object with .before/.after), or a pair of sequences."""
-    if isinstance(growth, tuple) and len(growth) == 2 and not isinstance(growth[0], (int, str)):
-        return [int(x) for x in growth[0]], [int(x) for x in growth[1]]
+def _counts(growth: Any, columns: Sequence[str] | None) -> tuple[list[int], list[int], list[int]]:
+    """(rows before, rows after, rows that stay at the block's end) per column, from FittedPreprocessor.growth's
+    result (a mapping of column -> (before, after[, tail]), or -> an object with .before/.after[/.tail]), or a
+    pair (or triple) of sequences. tail: a vocab+hash column's hash buckets, which follow its vocabulary, so
+    they move to the block's new end when the vocabulary grows."""
+    if isinstance(growth, tuple) and len(growth) in (2, 3) and not isinstance(growth[0], (int, str)):
+        before, after = [int(x) for x in growth[0]], [int(x) for x in growth[1]]
+        return before, after, [int(x) for x in growth[2]] if len(growth) == 3 else [0] * len(before)
     if isinstance(growth, Mapping):
         names = list(columns) if columns is not None else list(growth)
         missing = [c for c in names if c not in growth]
         if missing:
             raise PipelineError(f"grow_embedding: no growth for column(s) {missing}; the growth names "
                                 f"{sorted(growth)}. Pass columns= in the order of the table's blocks")
-        pairs = [growth[c] for c in names]
-        pairs = [(p.before, p.after) if hasattr(p, "before") else tuple(p) for p in pairs]
-        return [int(b) for b, _ in pairs], [int(a) for _, a in pairs]
+        got = [growth[c] for c in names]
+        got = [(g.before, g.after, getattr(g, "tail", 0)) if hasattr(g, "before") else (*tuple(g), 0)[:3] for g in got]
+        return [int(b) for b, _, _ in got], [int(a) for _, a, _ in got], [int(t) for _, _, t in got]
     raise PipelineError(f"grow_embedding: growth must be FittedPreprocessor.growth(previous) (column -> before, "
                         f"after) or a pair of row counts per column, not {type(growth).__name__}")
 
@@ -56,7 +59,7 @@ def grow_embedding(module, growth: Any, optimizer=None, *, columns: Sequence[str
     for bit; a column never shrinks (an id is never taken back): that is refused in one paragraph."""
     import torch
 
-    before, after = _counts(growth, columns)
+    before, after, tail = _counts(growth, columns)
     w = module.weight
     if w.shape[0] != sum(before):
         raise PipelineError(f"grow_embedding: the table has {w.shape[0]:,} rows but the growth's columns had "
@@ -71,9 +74,12 @@ def grow_embedding(module, growth: Any, optimizer=None, *, columns: Sequence[str
         return module
     old_at = torch.tensor([0, *torch.tensor(before).cumsum(0).tolist()[:-1]], dtype=torch.int64)
     new_at = torch.tensor([0, *torch.tensor(after).cumsum(0).tolist()[:-1]], dtype=torch.int64)
-    # where each old row goes: its column's new offset plus its id
+    # where each old row goes: its column's new offset plus its id, and a tail row (a hash bucket) as far
+    # further as the column grew
     col = torch.repeat_interleave(torch.arange(len(before)), torch.tensor(before))
-    dest = (new_at[col] + torch.arange(sum(before)) - old_at[col]).to(w.device)
+    at = torch.arange(sum(before)) - old_at[col]
+    in_tail = at >= (torch.tensor(before) - torch.tensor(tail))[col]
+    dest = (new_at[col] + at + in_tail * (torch.tensor(after) - torch.tensor(before))[col]).to(w.device)
 
     def moved(old: torch.Tensor, fill) -> torch.Tensor:
         out = torch.empty((sum(after), *old.shape[1:]), dtype=old.dtype, device=old.device)

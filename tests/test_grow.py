@@ -73,6 +73,16 @@ def test_known_rows_and_their_optimizer_state_are_kept_bit_for_bit_before_the_fi
     assert torch.isfinite(module.weight).all()
 
 
+def test_a_vocab_hash_columns_buckets_follow_its_grown_vocabulary():
+    """vocab+hash: ids 0..V are the vocabulary (0 unknown), then B hash buckets; a grown vocabulary moves the
+    buckets to the block's new end, each bucket's row with them."""
+    module = nn.Embedding(3 + 4 + 2, 3)  # column a: 2 values + unknown, then 4 buckets; column b: 2 rows
+    old = module.weight.detach().clone()
+    pipeline.grow_embedding(module, {"a": (7, 9, 4), "b": (2, 2)})
+    w = module.weight.detach()
+    assert torch.equal(w[:3], old[:3]) and torch.equal(w[5:9], old[3:7]) and torch.equal(w[9:], old[7:])
+
+
 def test_a_growth_by_column_name_picks_the_tables_blocks_and_a_shrink_or_another_model_is_refused():
     growth = {"a": (4, 7), "b": (1, 1), "c": (6, 9), "unused": (3, 5)}
     module = nn.Embedding(11, 2)
