@@ -240,6 +240,9 @@ class RunSection(_Section):
     output: str = Field("runs", description="directory or URI for checkpoints, fitted preprocessor and metrics")
     name: str = Field("demo", pattern=r"^[A-Za-z0-9_.-]+$", description="run folder is <output>/<name>-<timestamp>")
     resume: bool = Field(False, description="use <output>/<name> exactly and continue from its last checkpoint")
+    since: str = Field("", description="a previous run's folder or URI: train on the rows the table gained since that "
+                                       "run's version only, its fit extended (known ids kept), warm-started from its final "
+                                       "model and optimizer (docs/continuous.md)")
     ray_address: str = Field("", description="'' starts a local Ray; 'auto' or ray://host:port joins a cluster")
     num_cpus: int = Field(0, ge=0, description="CPUs of the local Ray (0: max(cores, workers + 2))")
     dashboard: bool = Field(False, description="start Ray's dashboard (http://127.0.0.1:8265, its State API, job and "

@@ -13,6 +13,7 @@ import pipeline
 from pipeline import Config, DataError, NoUsableRows, PipelineError, storage
 
 from .loop import CHECKPOINT_FILE, FIT_FILE, PREPROCESSOR_FILE, QUARANTINE_FILE, train_loop_per_worker
+from .warm import PLAN_FILE, check_shape, growth, previous_run, warm_line
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,17 +157,29 @@ def prepare_run(cfg: Config, out_uri: str, world_size: int, use_ray: bool | None
     saved = storage.join(out_uri, PREPROCESSOR_FILE)
     earlier = cfg.run.resume and storage.exists(*storage.filesystem(saved))
     manifest = storage.join(out_uri, QUARANTINE_FILE)
+    plan_file = storage.join(out_uri, PLAN_FILE)
+    prev = previous_run(cfg.run.since) if cfg.run.since else None
     try:
-        plan = pipeline.prepare(config=cfg, world_size=world_size, fitted=saved if earlier else None, use_ray=use_ray)
+        if prev is not None and earlier and storage.exists(*storage.filesystem(plan_file)):
+            plan = pipeline.IngestPlan.load(plan_file)  # a resumed increment: exactly the rows it planned
+        else:
+            plan = pipeline.prepare(config=cfg, world_size=world_size, fitted=saved if earlier and prev is None else None,
+                                    use_ray=use_ray, **({"since": prev["plan_uri"]} if prev is not None else {}))
     except NoUsableRows as e:  # nothing to train on: the manifest still says what was set aside, and why
         if not e.manifest_jsonl:
             raise
         storage.write_text(manifest, e.manifest_jsonl)
         raise DataError(f"{e} Every file and row group set aside is listed in {manifest}", e.details) from None
+    if prev is not None:
+        check_shape(prev, cfg, plan)
+        line, info = warm_line(prev, plan, growth(prev["plan"].fitted, plan.fitted))
+        plan.timings["warm"] = info
+        print(line, flush=True)
     if earlier:
         print(f"[fit] resuming: using the preprocessor fitted earlier, {saved}", flush=True)
     else:
         plan.fitted.save(saved)
+        plan.save(plan_file)  # the next day's --run.since starts from this plan's version and fitted state
     fit_json = storage.join(out_uri, FIT_FILE)
     plan.save_fit(fit_json)  # `--run.fit_from` this file skips the fit pass next time, while the data is unchanged
     if plan.accounting.quarantined:
@@ -303,6 +316,7 @@ def run(cfg: Config, started: float | None = None, ray_s: float = 0.0,
                "targets": [{"name": t.name, "kind": t.kind, "classes": len(t.classes)} for t in plan.fitted.targets],
                "checkpoint": storage.to_uri(result.checkpoint.filesystem, result.checkpoint.path) if result.checkpoint else None,
                "preprocessor": storage.join(out_uri, PREPROCESSOR_FILE), "use_gpu": use_gpu,
+               **({"warm": plan.timings["warm"]} if "warm" in plan.timings else {}),
                "wall_s": round(time.perf_counter() - t_start, 2)}
     line, figures = first_step_line(started, ray_s, plan, history) if not cfg.run.resume else ("", {})
     if line:
