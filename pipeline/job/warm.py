@@ -109,4 +109,6 @@ def warm_model(warm: dict[str, Any], fitted, cfg, device, build_model, optimizer
     optimizer.load_state_dict(state["optimizer"])
     gen = torch.Generator(device=device).manual_seed(cfg.train.seed)
     pipeline.grow_embedding(model.embedding, (before, after, tail), optimizer, generator=gen)
+    starts = torch.tensor([0, *after]).cumsum(0)[:-1]
+    model.offsets = starts.to(device=model.offsets.device, dtype=model.offsets.dtype)  # each column's block starts now
     return model, optimizer, sparse
