@@ -59,6 +59,13 @@ class IngestPlan:
     train_shares: list[list[Piece]]
     val_shares: list[list[Piece]]
     timings: dict[str, float] = field(default_factory=dict)
+    increment: Any = None  # increments.Range: the rows gained after a previous plan's version (prepare(since=...))
+
+    @property
+    def empty(self) -> bool:
+        """No rows to train on: an increment with nothing new after the previous plan's version. Test it
+        before rank_data (which refuses an empty plan); its `increment` still moves the next since= on."""
+        return self.train_rows == 0 and not sum(self.val_sizes)
 
     @property
     def spec(self) -> ReadSpec:
@@ -122,10 +129,17 @@ class IngestPlan:
     def describe(self) -> list[str]:
         """The lines a job prints about the plan."""
         t = self.timings
+        inc = f"; {self.increment.describe()} ({self.increment.how})" if self.increment is not None else ""
+        if self.empty:
+            r = self.increment
+            if r is None:
+                return ["[fit] an empty plan (plan.empty), nothing to train"]
+            return [f"[fit] nothing new after version {r.after} in {r.name} (read up to version {r.upto}): an empty "
+                    f"plan (plan.empty), nothing to train"] + [f"[fit] {n}" for n in r.notes]
         kinds = ", ".join(f"'{x.name}' {x.kind}" + (f" ({x.num_classes} classes)" if x.num_classes > 2 else "")
                           for x in self.fitted.targets) or "none (unlabelled)"
         return [f"[fit] {len(self.source.shards)} shards, {self.source.num_rows:,} rows, {len(self.source.fragments)} "
-                f"row groups {self.source.where}; {self.source.describe_columns()}",
+                f"row groups {self.source.where}{inc}; {self.source.describe_columns()}",
                 f"[fit] one pass in {t.get('fit_s', 0):.1f}s ({t.get('fit_on', '?')}): {self.fitted.num_features} "
                 f"numeric features, vocab sizes {dict(zip(self.fitted.categorical, (len(v) for v in self.fitted.vocab)))}; "
                 f"targets: {kinds}",
@@ -133,7 +147,8 @@ class IngestPlan:
                 f"[plan] training rows per rank {self.train_sizes}, validation rows per rank {self.val_sizes}, from "
                 f"{[len(self.pieces(r)) for r in range(self.world_size)]} row-group pieces"] + \
             coverage_lines(self.fitted, self.config.preprocess.vocab_max_size, self.config.preprocess.vocab_min_count) + \
-            [f"[columns] {note}" for note in self.source.conversions(self.fitted.stats)]
+            [f"[columns] {note}" for note in self.source.conversions(self.fitted.stats)] + \
+            [f"[fit] {n}" for n in (self.increment.notes if self.increment is not None else ())]
 
     def save_fit(self, uri: str) -> None:
         """The fit pass's result, for `prepare(fit_from=uri)` (run.fit_from): the fitted preprocessor, the
@@ -153,6 +168,9 @@ class IngestPlan:
 
         uri = os.path.abspath(uri) if storage.is_local(uri) else uri
         fitted = fitted_io.on_files(self.fitted, uri)  # no object refs
+        if fitted.history is not None and fitted.history.partitions:  # the counts as files too, not in the pickle
+            fitted = replace(fitted, history=fitted.history.on_files(
+                f"{uri.rsplit('/', 1)[0]}/counts-{fitted.history.digest}" if "/" in uri else f"counts-{fitted.history.digest}"))
         fs, path = storage.filesystem(uri)
         with fs.open_output_stream(path) as out:
             out.write(pickle.dumps((_PLAN_FORMAT, replace(self, fitted=fitted))))
@@ -191,6 +209,7 @@ def _fit_settings(cfg: Config) -> dict[str, Any]:
     d = cfg.to_dict()
     out = {k: d[k] for k in ("data", "quality", "preprocess")}
     out["data"] = {k: v for k, v in out["data"].items() if k != "version"}  # the table's version read is checked itself
+    out["preprocess"] = {k: v for k, v in out["preprocess"].items() if k != "refit_numeric"}  # increments only
     return out
 
 
@@ -303,7 +322,7 @@ def shuffle_memory(shuffled: tuple) -> dict[str, int]:
 
 def prepare(path: str | None = None, *, world_size: int | None = None, config: Config | str | Path | None = None,
             fitted: FittedPreprocessor | str | None = None, fit_from: str | None = None, use_ray: bool | None = None,
-            **data: Any) -> IngestPlan:
+            since: "IngestPlan | str | None" = None, **data: Any) -> IngestPlan:
     """Validate the shards, fit the preprocessing in one pass, and plan every rank's share.
 
     path: a directory or URI of Parquet shards (or data.path of `config`). Describe the data with
@@ -313,7 +332,14 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
     world size, else $WORLD_SIZE, else 1). fitted: a FittedPreprocessor (or its JSON path) to use
     instead of the one this pass fits, e.g. when resuming. fit_from: a fit.json (IngestPlan.save_fit)
     to reuse instead of the fit pass, refused in one paragraph when the files or the data, quality or
-    preprocess settings changed since. use_ray: run the fit pass on Ray (default: when Ray is initialised)."""
+    preprocess settings changed since. use_ray: run the fit pass on Ray (default: when Ray is initialised).
+
+    since: a previous IngestPlan (or the URI it was saved to with plan.save): plan only the rows the
+    source gained after that plan's version, and extend its fitted state (known ids never move; see
+    docs/continuous.md). Its settings are the previous plan's unless given (and then must equal them).
+    Nothing new gives an empty plan: test `plan.empty`."""
+    if since is not None:
+        return _prepare_since(path, since, world_size, config, use_ray, data)
     cfg = build_config(config, path, **data)
     world = world_size or _default_world()
     t0 = time.perf_counter()
@@ -327,7 +353,7 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
     t1 = time.perf_counter()
     reuse = fit_from or cfg.run.fit_from
     saved = load_fit(reuse, cfg, src) if reuse else None
-    shuffled, partitions = None, 1
+    shuffled, partitions, kept = None, 1, None
     if saved is not None:
         fitted, acct = fitted or saved[0], saved[1]
         on_ray, fit_s = False, 0.0
@@ -342,6 +368,12 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
         else:
             records, shuffled = side.fit_records(src, spec, cfg.run.stall_timeout_s), None
         total, acct = merge_fit(records, src)
+        if shuffled is None and fitted is None:  # every count, kept for prepare(since=...) (history.py)
+            from .history import CountHistory
+
+            kept, merged = CountHistory.of(total.categories, shuffle_columns(src.columns, p.vocab_max_size,
+                                                                             p.vocab_min_count), partitions, total.rows)
+            total.categories.update({c: [t] for c, t in merged.items()})  # merged once: the fit takes them as they are
         fit_s = time.perf_counter() - t1
         total_rows = total.rows
     if total_rows == 0:
@@ -351,10 +383,11 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
     p = cfg.preprocess
     if isinstance(fitted, str):
         fitted = FittedPreprocessor.load(fitted)
-    fitted = fitted or FittedPreprocessor.from_stats(total, src.columns, max_size=p.vocab_max_size,
-                                                     min_count=p.vocab_min_count, missing_indicator=p.missing_indicator,
-                                                     standardize_target=p.standardize_target,
-                                                     partitions=partitions, shuffled=shuffled)
+    fitted = fitted or replace(FittedPreprocessor.from_stats(total, src.columns, max_size=p.vocab_max_size,
+                                                             min_count=p.vocab_min_count,
+                                                             missing_indicator=p.missing_indicator,
+                                                             standardize_target=p.standardize_target,
+                                                             partitions=partitions, shuffled=shuffled), history=kept)
     if saved is None:
         fit_s = time.perf_counter() - t1  # the vocabularies' cut and parts included
     plan = IngestPlan(cfg, src, fitted, acct, world, **_shares(src, acct, world, cfg.train.shuffle == "global"),
@@ -367,6 +400,135 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
         raise DataError(f"{world} ranks but only {plan.train_rows:,} training rows: ranks "
                         f"{[r for r, n in enumerate(plan.train_sizes) if n == 0]} would get none; use fewer ranks")
     return plan
+
+
+def _prepare_since(path, since, world_size, config, use_ray, data) -> IngestPlan:
+    """prepare(since=...): the rows the source gained after the previous plan's version (increments.py),
+    fitted by extending the previous fitted state (history.py), planned like any other rows."""
+    from . import history, increments, tables
+    from .source import Source, list_shards
+
+    prev = IngestPlan.load(since) if isinstance(since, (str, Path)) else since
+    if not isinstance(prev, IngestPlan):
+        raise ConfigError(f"since= takes the previous IngestPlan or the URI it was saved to (plan.save), not "
+                          f"{type(prev).__name__}")
+    pinned = data.pop("version", None)  # the previous plan's pinned version is where this one starts, not ends
+    cfg = build_config(config if config is not None else prev.config, path, **data,
+                       settings={"data.version": pinned or ""})
+    now, then = _fit_settings(cfg), _fit_settings(prev.config)
+    now["data"].pop("path"), then["data"].pop("path")
+    changed = [f"{sec}.{k} = {then[sec].get(k)!r} then, {v!r} now" for sec, body in now.items() for k, v in body.items()
+               if then[sec].get(k) != v]
+    if changed:
+        raise PipelineError(f"the previous plan was made with other settings ({'; '.join(changed[:4])}): an increment "
+                            f"extends its fit, so its data, quality and preprocess settings must stay the same. Leave "
+                            f"them out (since= takes the previous plan's), or prepare without since= to fit anew")
+    start, uri = increments.start_of(prev), cfg.data.path
+    fmt = "iceberg" if cfg.data.catalog else tables.find(uri)
+    other = increments.same_source(start, uri, fmt)
+    if other:
+        raise PipelineError(f"{other}: since= must name a plan of the same table or folder. Pass that plan, or "
+                            f"prepare without since=")
+    cols = prev.source.columns
+    if prev.source.inferred is not None:  # the features stay the previous fit's, whatever the table adds
+        cfg = build_config(cfg, settings={"data.numeric": list(cols.numeric), "data.categorical": list(cols.categorical)})
+    world = world_size or _default_world()
+    t0 = time.perf_counter()
+    table, paths = None, None
+    if fmt == "delta":
+        table, rng, paths = increments.delta(uri, start, cfg.data.version)
+    elif fmt == "iceberg":
+        table, rng = increments.iceberg(uri, start, cfg.data.version, cfg.data.catalog)
+    else:
+        paths, rng = increments.folder(uri, start, list_shards)
+    was = prev.source.table.schema if prev.source.table is not None else \
+        prev.source.shards[0].schema if prev.source.shards else None
+    if table is not None and was is not None:
+        needed = [*cols.numeric, *cols.categorical, *(t.name for t in cols.targets), *([cols.weight] if cols.weight else [])]
+        gone = [c for c in needed if c in was.names and c not in table.schema.names]
+        if gone:
+            raise DataError(f"column '{gone[0]}' of the previous fit is no longer in the {fmt} table '{uri}' (version "
+                            f"{rng.upto}): an increment cannot fit or transform it. Add the column back, or prepare "
+                            f"without since= to fit the table as it is now")
+        added = [c for c in table.schema.names if c not in was.names]
+        if added:
+            rng = replace(rng, notes=(*rng.notes, f"column(s) {', '.join(added)} were added to the table since the "
+                                                  f"previous fit: not features until a full refit (prepare without since=)"))
+    if not paths and (table is None or not table.files):
+        src = Source(uri, (), (), columns=cols, table=table)
+        return IngestPlan(cfg, src, prev.fitted, Accounting(), world, [[] for _ in range(world)],
+                          [[] for _ in range(world)], timings={"validate_s": time.perf_counter() - t0, "fit_s": 0.0,
+                                                               "planned_at": time.time(), "fit_on": "nothing to fit"},
+                          increment=replace(rng, upto=rng.upto))
+    if table is not None and not paths:
+        src = inspect(cfg, table=table)
+    else:
+        src = inspect(cfg, paths[0].rsplit("/", 1)[0] if table is not None else uri, paths=paths)
+    if table is None:
+        known = tuple((s.path, s.size_bytes, s.num_rows) for s in src.shards) + \
+            tuple((b.path, increments._size(b.path, uri), b.rows) for b in src.bad_files)
+        rng = replace(rng, known=rng.known + known)
+        added = [c for s in src.shards[:1] for c in s.schema.names if was is not None and c not in was.names]
+        if added:
+            rng = replace(rng, notes=(*rng.notes, f"column(s) {', '.join(added)} are new in the added files: not "
+                                                  f"features until a full refit (prepare without since=)"))
+    spec = read_spec(cfg, src)
+    on_ray = _fit_on_ray(cfg.run.fit_on) if use_ray is None else use_ray
+    t1 = time.perf_counter()
+    records = _records(src, spec, cfg, on_ray)
+    total, acct = merge_fit(records, src)
+    fitted, how = _extended(prev, total, src, spec, cfg, on_ray, rng, history)
+    fit_s = time.perf_counter() - t1
+    plan = IngestPlan(cfg, src, fitted, acct, world, **_shares(src, acct, world, cfg.train.shuffle == "global"),
+                      timings={"validate_s": t1 - t0, "fit_s": fit_s, "planned_at": time.time(),
+                               "fit_on": ("Ray" if on_ray else "this process") + how}, increment=rng)
+    if _ray_ready():
+        fitted.shared()
+    if min(plan.train_sizes) == 0 and plan.train_rows:
+        raise DataError(f"{world} ranks but only {plan.train_rows:,} training rows in the increment ({rng.describe()}): "
+                        f"ranks {[r for r, n in enumerate(plan.train_sizes) if n == 0]} would get none; use fewer ranks "
+                        f"or wait for more rows")
+    return plan
+
+
+def _records(src: Source, spec: ReadSpec, cfg: Config, on_ray: bool) -> list:
+    if on_ray:
+        from . import ray_side
+
+        return ray_side.fit_records(src, spec, cfg.run.stall_timeout_s)[0]  # counts come back: extended here
+    from . import local_side
+
+    return local_side.fit_records(src, spec, cfg.run.stall_timeout_s)
+
+
+def _extended(prev: IngestPlan, total, src: Source, spec: ReadSpec, cfg: Config, on_ray: bool, rng, history):
+    """The previous fitted state extended by the increment's statistics, and what the [fit] line adds."""
+    p, old, how = cfg.preprocess, prev.fitted, ""
+    columns = shuffle_columns(src.columns, p.vocab_max_size, p.vocab_min_count)
+    counts_then = old.history
+    if counts_then is None or not counts_then.partitions:
+        if prev.increment is not None:
+            raise PipelineError(f"the previous plan's fitted state keeps no category counts (it was pickled without "
+                                f"plan.save, or fitted on a Ray cluster), so the thresholds cannot count over the "
+                                f"whole history. Pass the plan saved with plan.save, or prepare without since=")
+        parts = max([v.partitions for v in old.vocab if hasattr(v, "partitions")], default=1)
+        total0, _ = merge_fit(_records(prev.source, prev.spec, cfg, on_ray), prev.source)
+        counts_then, _ = history.CountHistory.of(total0.categories, columns, parts, total0.rows)
+        how = "; the previous plan's rows recounted once: its state kept no counts"
+    nulls = {c: old.stats.get("categorical", {}).get(c, {}).get("nulls", 0) + total.category_nulls.get(c, 0)
+             for c in old.categorical}
+    vocab, counts_now, coverage = history.extend(old, counts_then, total.categories, src.columns, p.vocab_max_size,
+                                                 p.vocab_min_count, nulls, total.rows)
+    stats = {**old.stats, "categorical": {**old.stats.get("categorical", {}), **coverage},
+             "rows": old.stats.get("rows", 0) + total.rows,
+             "lineage": [*old.stats.get("lineage", []), {**rng.to_dict(), "previous": history.lineage_digest(old),
+                                                         "rows": total.rows}]}
+    changes: dict[str, Any] = {"vocab": vocab, "history": counts_now}
+    if p.refit_numeric:
+        got = history.refit_numeric(old, total)
+        changes.update(mean=got["mean"], std=got["std"])
+        stats["numeric"] = got["numeric_stats"]
+    return replace(old, stats=stats, **changes), how
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,6 +684,9 @@ def rank_data(plan: IngestPlan, *, batch_size: int | None = None, seed: int | No
     from .loader import DeviceLoader
     from .sampler import BatchSampler, resume_span, upgrade
 
+    if plan.empty:
+        raise PipelineError(f"the plan is empty: {plan.describe()[0].removeprefix('[fit] ')}. Test plan.empty before "
+                            f"rank_data, and wait for new rows (prepare(since=plan) again later)")
     launcher, r, w = rank_context()
     if launcher == "torch.distributed":
         atexit.unregister(end_process_group_at_exit)  # once, however many times rank_data is called

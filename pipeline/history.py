@@ -1,0 +1,297 @@
+"""A fit that keeps its ids: every category count seen over a chain of increments, and the
+vocabularies extended from them (`prepare(since=...)`).
+
+Thresholds count over the whole history (a value seen once yesterday and once today passes
+vocab_min_count = 2 today), so the fitted state keeps every counted column's counts, those below the
+threshold too: `CountHistory`, laid out as the vocabularies are (counts.py's P hash ranges, one part
+per range, {value, hash, rows} per column), in memory after a fit without Ray and as Arrow IPC files
+beside the saved state (`counts-<digest>/part-<q>.arrow`), memory-mapped when loaded: no per-value
+Python object, and one range at a time in memory while an increment is merged in.
+
+Extending (`extend`), range by range: the history's counts plus the increment's; a value the previous
+vocabulary kept keeps its id; the values that now pass the column's threshold and are new take the
+next free ids, numbered among themselves as a fit numbers (count descending, then hash, then text:
+counts.cuts/finalize over the new values only), up to vocab_max_size in all. Ids are never reused or
+renumbered, so the kept set after any chain equals one fit's over all the rows (without the cap),
+and only the order of the ids differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from . import counts, storage
+from .errors import DataError, PipelineError
+from .stats import categorical_ops, numeric_ops, shuffle_columns
+from .vocab import Vocabulary, build_index
+from .vocab_parts import Parts, PartedVocabulary, column_digest
+
+FORMAT = "pipeline.CountHistory/1"
+
+
+class CountHistory:
+    """Per hash range q: {column: Table {v, h, n}} of every value counted so far (parts in memory, or
+    the paths of their files)."""
+
+    __slots__ = ("sources", "columns", "rows", "digest")
+
+    def __init__(self, sources: Sequence, columns: Sequence[str], rows: int, digest: str):
+        self.sources, self.columns, self.rows, self.digest = list(sources), tuple(columns), int(rows), digest
+
+    @property
+    def partitions(self) -> int:
+        return len(self.sources)
+
+    def part(self, q: int) -> dict[str, pa.Table]:
+        s = self.sources[q]
+        return s if isinstance(s, dict) else _read(s)
+
+    @property
+    def values(self) -> int:
+        """Distinct values kept, over every column (what the history costs: about 16 bytes + the text each)."""
+        return sum(t.num_rows for q in range(self.partitions) for t in self.part(q).values())
+
+    @classmethod
+    def of(cls, categories: dict[str, list[pa.Table]], columns: Sequence[counts.Column], partitions: int,
+           rows: int) -> tuple["CountHistory", dict[str, pa.Table]]:
+        """The history of one fit's count tables, and each column's merged table {v, n} (handed back
+        to the fit, so the values are merged once)."""
+        from .columns import count_merge
+
+        cols = [c for c in columns if c.counted]
+        merged = {c.name: count_merge(categories.get(c.name, [])) for c in cols}
+        parts = [{c: pa.table({"v": t["v"], "h": t["h"], "n": t["n"]}) for c, t in p.items()}
+                 for p in counts.split(merged, cols, partitions)]
+        return cls(parts, [c.name for c in cols], rows, _digest(parts)), merged
+
+    def on_files(self, folder_uri: str) -> "CountHistory":
+        """Every part written to folder_uri (once per digest) and read from there."""
+        paths = [storage.join(folder_uri, f"part-{q:05d}.arrow") for q in range(self.partitions)]
+        fs, _ = storage.filesystem(paths[-1])
+        if not storage.exists(fs, storage.filesystem(paths[-1])[1]):
+            for q, p in enumerate(paths):
+                _write(p, self.part(q), self.columns, self.digest)
+        return CountHistory(paths, self.columns, self.rows, self.digest)
+
+    def __reduce__(self):
+        return CountHistory, (self.sources, self.columns, self.rows, self.digest)
+
+
+def _digest(parts: Sequence[dict[str, pa.Table]]) -> str:
+    d = hashlib.blake2b(digest_size=16)
+    for p in parts:
+        for c in sorted(p):
+            d.update(c.encode())
+            d.update(memoryview(np.ascontiguousarray(p[c]["h"].to_numpy())).cast("B"))
+            d.update(memoryview(np.ascontiguousarray(p[c]["n"].to_numpy())).cast("B"))
+    return d.hexdigest()
+
+
+def _write(path: str, part: dict[str, pa.Table], names: Sequence[str], tag: str) -> None:
+    fs, base = storage.filesystem(path)
+    fs.create_dir(base.rsplit("/", 1)[0], recursive=True)
+    schema = pa.schema([("v", pa.large_string()), ("h", pa.uint64()), ("n", pa.int64())],
+                       metadata={"format": FORMAT, "digest": tag, "columns": ",".join(names)})
+    try:
+        with fs.open_output_stream(base + ".tmp") as out, pa.ipc.new_file(out, schema) as w:
+            for c in names:
+                t = part[c]
+                w.write_batch(pa.record_batch([_col(t["v"]).cast(pa.large_string()), _col(t["h"]).cast(pa.uint64()),
+                                               _col(t["n"]).cast(pa.int64())], schema=schema))
+        fs.move(base + ".tmp", base)
+    except OSError as e:
+        raise PipelineError(f"cannot write the category counts '{path}' of the fitted state ({e}). Free space there "
+                            f"or save elsewhere") from None
+
+
+def _read(path: str) -> dict[str, pa.Table]:
+    fs, base = storage.filesystem(path)
+    try:
+        if isinstance(fs, pa.fs.LocalFileSystem):
+            reader = pa.ipc.open_file(pa.memory_map(base))
+        else:
+            with fs.open_input_file(base) as f:
+                reader = pa.ipc.open_file(pa.py_buffer(f.read()))
+    except (OSError, pa.ArrowInvalid) as e:
+        raise PipelineError(f"the category counts '{path}' cannot be read ({e}): copy the counts folder with the "
+                            f"fitted state's JSON (they belong together), or fit again without since=") from None
+    names = [n for n in (reader.schema.metadata or {}).get(b"columns", b"").decode().split(",") if n]
+    return {c: pa.Table.from_batches([reader.get_batch(i)]) for i, c in enumerate(names)}
+
+
+def _col(a):
+    return a.combine_chunks() if isinstance(a, pa.ChunkedArray) else a
+
+
+def to_state(h: CountHistory | None, uri: str) -> dict | None:
+    """The history's entry in a saved state's JSON, its parts written beside `uri`."""
+    if h is None:
+        return None
+    name = f"counts-{h.digest}"
+    h.on_files(uri.rsplit("/", 1)[0] + "/" + name if "/" in uri else name)
+    return {"name": name, "digest": h.digest, "partitions": h.partitions, "columns": list(h.columns), "rows": h.rows}
+
+
+def from_state(d: dict | None, uri: str | None) -> CountHistory | None:
+    if not d or uri is None:
+        return None
+    folder = uri.rsplit("/", 1)[0] + "/" + d["name"] if "/" in uri else d["name"]
+    return CountHistory([storage.join(folder, f"part-{q:05d}.arrow") for q in range(d["partitions"])], d["columns"],
+                        d["rows"], d["digest"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Extending a fitted state
+
+
+def _merge(tables: list[pa.Table]) -> pa.Table:
+    tables = [pa.table({"v": _col(t["v"]).cast(pa.large_string()), "h": _col(t["h"]).cast(pa.uint64()),
+                        "n": _col(t["n"]).cast(pa.int64())}) for t in tables if t.num_rows]
+    if not tables:
+        return pa.table({"v": pa.array([], pa.large_string()), "h": pa.array([], pa.uint64()),
+                         "n": pa.array([], pa.int64())})
+    if len(tables) == 1:
+        return tables[0]
+    g = pa.concat_tables(tables).group_by("v").aggregate([("n", "sum"), ("h", "min")])
+    return pa.table({"v": g["v"], "h": g["h_min"], "n": g["n_sum"]})
+
+
+def _previous_part(v, q: int, partitions: int) -> tuple[pa.Array, np.ndarray, np.ndarray]:
+    """(values, hashes, ids) of the previous vocabulary `v` whose hashes fall in range q."""
+    if isinstance(v, PartedVocabulary) and v.partitions == partitions:
+        if not v.sizes[q]:
+            return pa.array([], pa.large_string()), np.zeros(0, np.uint64), np.zeros(0, np.int32)
+        values, hashes, ids, _ = v.parts.part(q)[v.name]
+        return values, np.asarray(hashes, np.uint64), np.asarray(ids, np.int32)
+    whole = v.whole() if isinstance(v, PartedVocabulary) else v
+    h = np.asarray(whole.hashes, np.uint64)
+    sel = counts.partition_of(h, partitions) == q
+    return whole.values.filter(pa.array(sel)), h[sel], (np.flatnonzero(sel) + 1).astype(np.int32)
+
+
+def extend(prev, history: CountHistory, increment: dict[str, list[pa.Table]], cols, max_size: int, min_count: int,
+           nulls: dict[str, int], rows: int):
+    """(vocabularies, the new history, coverage per column) of `prev` (a fitted state) extended by the
+    increment's count tables."""
+    from .columns import count_merge
+
+    columns = [c for c in shuffle_columns(cols, max_size, min_count) if c.counted]
+    P = history.partitions
+    inc = counts.split({c.name: count_merge(increment.get(c.name, [])) for c in columns}, columns, P) if columns \
+        else [{} for _ in range(P)]
+    by_name = dict(zip(prev.categorical, prev.vocab))
+    new_hist, known, cands, summaries = [], [], [], []
+    for q in range(P):
+        old = history.part(q)
+        merged_q, known_q, cand_q, summ_q = {}, {}, {}, {}
+        for c in columns:
+            t = _merge([old[c.name], inc[q][c.name]] if c.name in old else [inc[q][c.name]])
+            merged_q[c.name] = t
+            values, hashes, ids = _previous_part(by_name[c.name], q, P)
+            pos = Vocabulary(values, hashes).positions(t["v"].combine_chunks() if isinstance(t["v"], pa.ChunkedArray)
+                                                       else t["v"], t["h"].to_numpy()) if len(values) else \
+                np.full(t.num_rows, -1)
+            is_known = pos >= 0
+            n = t["n"].to_numpy()
+            cand = t.filter(pa.array(~is_known & (n >= c.min_count)))
+            known_q[c.name] = (values, hashes, ids, int(n[is_known].sum()))
+            cand_q[c.name] = cand
+            summ_q[c.name] = {"hist": np.unique(cand["n"].to_numpy(), return_counts=True),
+                              "distinct": t.num_rows, "rows": int(n.sum())}
+        new_hist.append(merged_q)
+        known.append(known_q)
+        cands.append(cand_q)
+        summaries.append(summ_q)
+    room = [counts.Column(c.name, True, c.min_count, max(0, c.max_size - len(by_name[c.name])), c.buckets)
+            for c in columns]
+    cut = counts.cuts(summaries, room) if columns else [{} for _ in range(P)]
+    parts, kept, digests, coverage = [], {c.name: [] for c in columns}, {c.name: [] for c in columns}, {}
+    covered = {c.name: 0 for c in columns}
+    for q in range(P):
+        summ, new_part = counts.finalize(cands[q], cut[q], room)
+        part = {}
+        for c in columns:
+            values, hashes, ids, cov = known[q][c.name]
+            nv, nh, nid, _ = new_part[c.name]
+            nid = (nid.astype(np.int64) + len(by_name[c.name])).astype(np.int32)
+            covered[c.name] += cov + summ[c.name]["covered"]
+            allv = pa.concat_arrays([_col(values).cast(pa.large_string()), _col(nv).cast(pa.large_string())])
+            if allv.nbytes < 2**31:
+                allv = allv.cast(pa.string())
+            allh = np.concatenate([hashes, nh.astype(np.uint64)])
+            allid = np.concatenate([ids, nid]).astype(np.int32)
+            part[c.name] = (allv, allh, allid, build_index(allh))
+            kept[c.name].append(len(allid))
+            digests[c.name].append(counts.part_digest(allh, allid))
+        parts.append(part)
+    shared = Parts(parts)
+    vocab = []
+    for name, v, op in zip(prev.categorical, prev.vocab, categorical_ops(prev)):
+        if name in kept:
+            vocab.append(PartedVocabulary(name, shared, kept[name], column_digest(P, digests[name])))
+        else:
+            vocab.append(v)
+    for c in columns:
+        distinct = sum(s[c.name]["distinct"] for s in summaries)
+        total = sum(s[c.name]["rows"] for s in summaries)
+        coverage[c.name] = {"distinct": distinct, "kept": sum(kept[c.name]), "nulls": nulls.get(c.name, 0),
+                            "unknown_share": (total - covered[c.name]) / total if total else 0.0}
+    hist = CountHistory(new_hist, [c.name for c in columns], history.rows + rows, _digest(new_hist))
+    return tuple(vocab), hist, coverage
+
+
+def refit_numeric(prev, total) -> dict:
+    """The previous numeric statistics merged with the increment's (preprocess.refit_numeric): the
+    fields of the fitted state to replace. Only standardised columns (the default) carry what the merge
+    needs (count, mean, variance per slot); other transforms are refused."""
+    from .stats import NumericStats
+
+    ops = numeric_ops(prev)
+    odd = [c for c, op in zip(prev.numeric, ops) if not op.is_default]
+    if odd:
+        raise DataError(f"preprocess.refit_numeric = true, but numeric column '{odd[0]}' has its own transform "
+                        f"({ops[prev.numeric.index(odd[0])]}), whose statistics (quantile sketches) the fitted state "
+                        f"does not keep; leave refit_numeric false, or fit again without since=")
+    mean, std, stats = list(prev.mean), list(prev.std), dict(prev.stats.get("numeric", {}))
+    j = 0
+    for c, d in zip(prev.numeric, prev.dims):
+        k = max(d, 1)
+        s = prev.stats.get("numeric", {}).get(c, {})
+        before = int(s.get("count", 0)) // k
+        for i, inc in enumerate(total.numeric.get(c, [NumericStats()] * k)):
+            constant = s.get("min") is not None and s.get("min") == s.get("max")  # its scale 1 is no spread
+            was = NumericStats(before, mean[j + i], 0.0 if constant else (std[j + i] ** 2) * before)
+            m = was.merge(inc)
+            mean[j + i], std[j + i] = float(m.mean), (float(np.sqrt(m.var)) if m.var > 0 else 1.0)
+        got = total.numeric.get(c, [])
+        stats[c] = {"count": int(s.get("count", 0)) + sum(n.count for n in got),
+                    "null_rows": int(s.get("null_rows", 0)) + total.null_rows.get(c, 0),
+                    "min": min([x for x in [s.get("min"), *(n.min for n in got if n.count)] if x is not None],
+                               default=None),
+                    "max": max([x for x in [s.get("max"), *(n.max for n in got if n.count)] if x is not None],
+                               default=None)}
+        j += k
+    return {"mean": tuple(mean), "std": tuple(std), "numeric_stats": stats}
+
+
+def lineage_digest(prev) -> str:
+    """A digest of the previous fitted state (its JSON with its vocabularies' digest)."""
+    import json
+
+    d = prev.to_dict(vocab_file="-")
+    d.pop("stats", None)
+    return hashlib.blake2b(json.dumps(d, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
+
+
+def growth(now, previous) -> dict[str, tuple[int, int]]:
+    """Per categorical column: (ids before, ids after), the unknown id 0 and hash buckets included, as
+    `cardinalities` counts them (what an embedding table needs)."""
+    before = dict(zip(previous.categorical, previous.cardinalities))
+    return {c: (before.get(c, 0), n) for c, n in zip(now.categorical, now.cardinalities)}
+
+
+__all__ = ["CountHistory", "extend", "refit_numeric", "growth", "lineage_digest", "to_state", "from_state"]
