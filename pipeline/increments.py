@@ -52,6 +52,8 @@ class Range:
     how: str = ""  # what was read (the change data feed, appended files, ...)
     known: tuple[tuple[str, int, int | None], ...] = ()
     notes: tuple[str, ...] = ()  # what added no row, columns left out
+    next_id: int = 0  # the first global row id after the chain's rows: ids never repeat over a chain, and a folder's
+    # rows keep the ids (so the validation hold-out) one plan over all its files gives them
 
     def describe(self) -> str:
         return f"rows added after version {self.after} up to version {self.upto}"
@@ -66,11 +68,12 @@ def start_of(plan) -> Range:
     if inc is not None:
         return inc
     src = plan.source
+    ids = sum(s.num_rows for s in src.shards)
     if src.table is not None:
-        return Range(src.table.format, src.table.name, src.table.version, src.table.version)
+        return Range(src.table.format, src.table.name, src.table.version, src.table.version, next_id=ids)
     known = tuple((s.path, s.size_bytes, s.num_rows) for s in src.shards) + \
         tuple((b.path, _size(b.path, src.uri), b.rows) for b in src.bad_files)
-    return Range("parquet", src.uri, "0", "0", known=known)
+    return Range("parquet", src.uri, "0", "0", known=known, next_id=ids)
 
 
 def same_source(start: Range, uri: str, fmt: str | None) -> str | None:
@@ -108,7 +111,7 @@ def delta(uri: str, start: Range, version: str) -> tuple[tables.Snapshot, Range,
     if b < a:
         raise DataError(f"the Delta table '{uri}' is read at version {b}, before the previous plan's version {a}: "
                         f"an increment reads forward. Leave data.version empty (the latest) or set it to {a} or later")
-    rng = Range("delta", start.name, str(a), str(b))
+    rng = Range("delta", start.name, str(a), str(b), next_id=start.next_id)
     if b == a:
         return replace(snap, files=()), replace(rng, how="nothing new"), None
     from deltalake import DeltaTable
@@ -226,14 +229,15 @@ def _materialise_cdf(uri: str, table, snap: tables.Snapshot, a: int, b: int) -> 
         raise DataError(f"the change data feed of the Delta table '{uri}' cannot be read for versions {a + 1} to {b} "
                         f"({type(e).__name__}: {e}); the feed must be on for every commit after version {a} (and its "
                         f"_change_data files kept). {_FULL[0].upper() + _FULL[1:]}") from None
+    views = {pa.string_view(): pa.large_string(), pa.binary_view(): pa.large_binary()}  # deltalake reads views,
+    got = got.cast(pa.schema([f.with_type(views.get(f.type, f.type)) for f in got.schema]))  # few kernels take them
     got = got.filter(pc.is_in(got["_change_type"], pa.array(_CDF_KEEP)))
     got = got.sort_by([("_commit_version", "ascending")]).select([n for n in snap.schema.names if n in got.column_names])
     try:
         fs.create_dir(folder, recursive=True)
         tmp = f"{done}.{os.getpid()}.tmp"
         with fs.open_output_stream(tmp) as out:
-            pq.write_table(got.cast(snap.schema.select(got.column_names)) if snap.schema is not None else got, out,
-                           row_group_size=1 << 17)
+            pq.write_table(got, out, row_group_size=1 << 17)
         fs.move(tmp, done)
     except OSError as e:
         raise DataError(f"cannot write the change data feed's rows of the Delta table '{uri}' to '{folder}' ({e}): an "
@@ -250,7 +254,7 @@ def iceberg(uri: str, start: Range, version: str, catalog: str) -> tuple[tables.
     """The data files pyiceberg's incremental_append_scan plans over (a, b], with their deletes."""
     snap = tables.snapshot(uri, "iceberg", version, catalog)
     a, b = start.upto, snap.version
-    rng = Range("iceberg", start.name, a, b)
+    rng = Range("iceberg", start.name, a, b, next_id=start.next_id)
     if a == b:
         return replace(snap, files=()), replace(rng, how="nothing new")
     table = _iceberg_table(uri, catalog)
@@ -335,4 +339,5 @@ def folder(uri: str, start: Range, list_shards) -> tuple[list[str], Range]:
     known = {k[0] for k in start.known}
     new = [p for p in paths if p not in known]
     upto = str(int(start.upto) + 1) if new else start.upto
-    return new, Range("parquet", start.name, start.upto, upto, how=f"{len(new)} new files", known=start.known)
+    return new, Range("parquet", start.name, start.upto, upto, how=f"{len(new)} new files", known=start.known,
+                      next_id=start.next_id)

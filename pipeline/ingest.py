@@ -464,6 +464,8 @@ def _prepare_since(path, since, world_size, config, use_ray, data) -> IngestPlan
         src = inspect(cfg, table=table)
     else:
         src = inspect(cfg, paths[0].rsplit("/", 1)[0] if table is not None else uri, paths=paths)
+    src = replace(src, fragments=tuple(replace(f, row_start=f.row_start + rng.next_id) for f in src.fragments))
+    rng = replace(rng, next_id=rng.next_id + sum(s.num_rows for s in src.shards))
     if table is None:
         known = tuple((s.path, s.size_bytes, s.num_rows) for s in src.shards) + \
             tuple((b.path, increments._size(b.path, uri), b.rows) for b in src.bad_files)
