@@ -23,6 +23,7 @@ from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from . import counts, storage
 from .errors import DataError, PipelineError
@@ -37,10 +38,17 @@ class CountHistory:
     """Per hash range q: {column: Table {v, h, n}} of every value counted so far (parts in memory, or
     the paths of their files)."""
 
-    __slots__ = ("sources", "columns", "rows", "digest")
+    __slots__ = ("sources", "columns", "rows", "_digest")
 
-    def __init__(self, sources: Sequence, columns: Sequence[str], rows: int, digest: str):
-        self.sources, self.columns, self.rows, self.digest = list(sources), tuple(columns), int(rows), digest
+    def __init__(self, sources: Sequence, columns: Sequence[str], rows: int, digest: str | None = None):
+        self.sources, self.columns, self.rows, self._digest = list(sources), tuple(columns), int(rows), digest
+
+    @property
+    def digest(self) -> str:
+        """A digest of every count (names the saved folder): computed when first asked, not in the fit."""
+        if self._digest is None:
+            self._digest = _digest([self.part(q) for q in range(self.partitions)])
+        return self._digest
 
     @property
     def partitions(self) -> int:
@@ -64,9 +72,9 @@ class CountHistory:
 
         cols = [c for c in columns if c.counted]
         merged = {c.name: count_merge(categories.get(c.name, [])) for c in cols}
-        parts = [{c: pa.table({"v": t["v"], "h": t["h"], "n": t["n"]}) for c, t in p.items()}
-                 for p in counts.split(merged, cols, partitions)]
-        return cls(parts, [c.name for c in cols], rows, _digest(parts)), merged
+        # kept as split (each range sorted by hash at its first merge): the fit pays one split, no more
+        parts = [{c: t.select(["v", "h", "n"]) for c, t in p.items()} for p in counts.split(merged, cols, partitions)]
+        return cls(parts, [c.name for c in cols], rows), merged
 
     def on_files(self, folder_uri: str) -> "CountHistory":
         """Every part written to folder_uri (once per digest) and read from there."""
@@ -78,7 +86,7 @@ class CountHistory:
         return CountHistory(paths, self.columns, self.rows, self.digest)
 
     def __reduce__(self):
-        return CountHistory, (self.sources, self.columns, self.rows, self.digest)
+        return CountHistory, (self.sources, self.columns, self.rows, self._digest)
 
 
 def _digest(parts: Sequence[dict[str, pa.Table]]) -> str:
@@ -148,16 +156,37 @@ def from_state(d: dict | None, uri: str | None) -> CountHistory | None:
 # Extending a fitted state
 
 
-def _merge(tables: list[pa.Table]) -> pa.Table:
-    tables = [pa.table({"v": _col(t["v"]).cast(pa.large_string()), "h": _col(t["h"]).cast(pa.uint64()),
-                        "n": _col(t["n"]).cast(pa.int64())}) for t in tables if t.num_rows]
-    if not tables:
-        return pa.table({"v": pa.array([], pa.large_string()), "h": pa.array([], pa.uint64()),
-                         "n": pa.array([], pa.int64())})
-    if len(tables) == 1:
-        return tables[0]
-    g = pa.concat_tables(tables).group_by("v").aggregate([("n", "sum"), ("h", "min")])
-    return pa.table({"v": g["v"], "h": g["h_min"], "n": g["n_sum"]})
+def _norm(t: pa.Table) -> pa.Table:
+    return pa.table({"v": _col(t["v"]).cast(pa.large_string()), "h": _col(t["h"]).cast(pa.uint64()),
+                     "n": _col(t["n"]).cast(pa.int64())})
+
+
+def _by_hash(t: pa.Table) -> pa.Table:
+    h = t["h"].to_numpy()
+    return t if not len(h) or bool(np.all(h[1:] >= h[:-1])) else t.take(pa.array(np.argsort(h, kind="stable")))
+
+
+def _merge(old: pa.Table | None, inc: pa.Table) -> pa.Table:
+    """A range's counts so far plus the increment's (each unique by value), sorted by hash (history parts
+    are kept so): each increment value found by binary search on the hashes, its text compared, so the
+    cost follows the increment's values, not a group-by over the whole history."""
+    inc = _norm(inc)
+    if old is None or not old.num_rows:
+        return _by_hash(inc)
+    old = _by_hash(_norm(old))
+    oh, ih = old["h"].to_numpy(), inc["h"].to_numpy()
+    pos = np.minimum(np.searchsorted(oh, ih), len(oh) - 1)
+    hit = oh[pos] == ih
+    if hit.any():
+        rows = np.flatnonzero(hit)
+        same = pc.equal(old["v"].take(pa.array(pos[rows])), inc["v"].take(pa.array(rows))).to_numpy(zero_copy_only=False)
+        if not same.all() or len(np.unique(pos[rows])) != len(rows):  # two texts share a 64-bit hash: by text
+            g = pa.concat_tables([old, inc]).group_by("v").aggregate([("n", "sum"), ("h", "min")])
+            return _by_hash(pa.table({"v": g["v"], "h": g["h_min"], "n": g["n_sum"]}))
+    n = old["n"].to_numpy().copy()
+    n[pos[hit]] += inc["n"].to_numpy()[hit]
+    both = pa.concat_tables([old.set_column(2, "n", pa.array(n)), inc.filter(pa.array(~hit))])
+    return _by_hash(both)
 
 
 def _previous_part(v, q: int, partitions: int) -> tuple[pa.Array, np.ndarray, np.ndarray]:
@@ -189,14 +218,16 @@ def extend(prev, history: CountHistory, increment: dict[str, list[pa.Table]], co
         old = history.part(q)
         merged_q, known_q, cand_q, summ_q = {}, {}, {}, {}
         for c in columns:
-            t = _merge([old[c.name], inc[q][c.name]] if c.name in old else [inc[q][c.name]])
+            t = _merge(old.get(c.name), inc[q][c.name])
             merged_q[c.name] = t
             values, hashes, ids = _previous_part(by_name[c.name], q, P)
-            pos = Vocabulary(values, hashes).positions(t["v"].combine_chunks() if isinstance(t["v"], pa.ChunkedArray)
-                                                       else t["v"], t["h"].to_numpy()) if len(values) else \
-                np.full(t.num_rows, -1)
-            is_known = pos >= 0
             n = t["n"].to_numpy()
+            # a kept value passed the threshold when it was kept, and counts only grow: look up those only
+            passing = np.flatnonzero(n >= c.min_count)
+            is_known = np.zeros(t.num_rows, bool)
+            if len(values) and len(passing):
+                is_known[passing] = Vocabulary(values, hashes).positions(
+                    _col(t["v"]).take(pa.array(passing)), t["h"].to_numpy()[passing]) >= 0
             cand = t.filter(pa.array(~is_known & (n >= c.min_count)))
             known_q[c.name] = (values, hashes, ids, int(n[is_known].sum()))
             cand_q[c.name] = cand
@@ -240,7 +271,7 @@ def extend(prev, history: CountHistory, increment: dict[str, list[pa.Table]], co
         total = sum(s[c.name]["rows"] for s in summaries)
         coverage[c.name] = {"distinct": distinct, "kept": sum(kept[c.name]), "nulls": nulls.get(c.name, 0),
                             "unknown_share": (total - covered[c.name]) / total if total else 0.0}
-    hist = CountHistory(new_hist, [c.name for c in columns], history.rows + rows, _digest(new_hist))
+    hist = CountHistory(new_hist, [c.name for c in columns], history.rows + rows)
     return tuple(vocab), hist, coverage
 
 
