@@ -81,8 +81,8 @@ class CountHistory:
         paths = [storage.join(folder_uri, f"part-{q:05d}.arrow") for q in range(self.partitions)]
         fs, _ = storage.filesystem(paths[-1])
         if not storage.exists(fs, storage.filesystem(paths[-1])[1]):
-            for q, p in enumerate(paths):
-                _write(p, self.part(q), self.columns, self.digest)
+            for q, p in enumerate(paths):  # sorted by hash, so the next increment's merge searches them as read
+                _write(p, {c: _by_hash(_norm(t)) for c, t in self.part(q).items()}, self.columns, self.digest)
         return CountHistory(paths, self.columns, self.rows, self.digest)
 
     def __reduce__(self):
@@ -102,13 +102,14 @@ def _digest(parts: Sequence[dict[str, pa.Table]]) -> str:
 def _write(path: str, part: dict[str, pa.Table], names: Sequence[str], tag: str) -> None:
     fs, base = storage.filesystem(path)
     fs.create_dir(base.rsplit("/", 1)[0], recursive=True)
-    schema = pa.schema([("v", pa.large_string()), ("h", pa.uint64()), ("n", pa.int64())],
+    text = pa.string() if sum(part[c]["v"].nbytes for c in names) < 2**31 else pa.large_string()
+    schema = pa.schema([("v", text), ("h", pa.uint64()), ("n", pa.int64())],
                        metadata={"format": FORMAT, "digest": tag, "columns": ",".join(names)})
     try:
         with fs.open_output_stream(base + ".tmp") as out, pa.ipc.new_file(out, schema) as w:
             for c in names:
                 t = part[c]
-                w.write_batch(pa.record_batch([_col(t["v"]).cast(pa.large_string()), _col(t["h"]).cast(pa.uint64()),
+                w.write_batch(pa.record_batch([_col(t["v"]).cast(text), _col(t["h"]).cast(pa.uint64()),
                                                _col(t["n"]).cast(pa.int64())], schema=schema))
         fs.move(base + ".tmp", base)
     except OSError as e:

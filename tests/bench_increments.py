@@ -44,7 +44,10 @@ def main() -> None:
         shard(out, i, per)
     settings = dict(label="y", numeric=[f"x{j}" for j in range(8)], categorical=list(CATS), vocab_min_count=2,
                     vocab_max_size=10_000_000)
+    saved = out.parent / (out.name + "-saved")
+    shutil.rmtree(saved, ignore_errors=True)
     base = pipeline.prepare(str(out), **settings)
+    base.save(str(saved / "plan.pkl"))  # yesterday's plan, as a daily job keeps it: counts and vocabularies on files
     shard(out, a.shards, a.rows // 10)  # the increment: 10% of the table's rows
     inc_rows = pq.read_metadata(out / f"part-{a.shards:04d}.parquet").num_rows
     full_s, inc_s, full_p, inc_p = [], [], [], []
@@ -54,7 +57,7 @@ def main() -> None:
         full_p.append(time.perf_counter() - t)
         full_s.append(full.timings["fit_s"])
         t = time.perf_counter()
-        inc = pipeline.prepare(str(out), since=base)
+        inc = pipeline.prepare(str(out), since=str(saved / "plan.pkl"))
         inc_p.append(time.perf_counter() - t)
         inc_s.append(inc.timings["fit_s"])
     same = [len(i) == len(f) for i, f in zip(inc.fitted.vocab, full.fitted.vocab)]  # the kept sets: test_increments.py
@@ -66,9 +69,8 @@ def main() -> None:
     print(f"same vocabulary sizes as the full refit: {all(same)}")
     print(f"kept counts: {h.values:,} distinct values over {len(h.columns)} columns in {h.partitions} parts; vocab sizes "
           f"{dict(zip(inc.fitted.categorical, map(len, inc.fitted.vocab)))}")
-    saved = out.parent / (out.name + "-saved") / "pre.json"
-    inc.fitted.save(str(saved))
-    files = sorted((saved.parent).rglob("*"))
+    inc.fitted.save(str(saved / "today" / "pre.json"))
+    files = sorted((saved / "today").rglob("*"))
     size = lambda prefix: sum(f.stat().st_size for f in files if f.is_file() and f.parent.name.startswith(prefix))  # noqa: E731
     print(f"saved: counts {size('counts-') / 2**20:.1f} MiB, vocabularies {size('vocab-') / 2**20:.1f} MiB")
 

@@ -272,3 +272,24 @@ def test_iceberg_dropped_and_added_columns(iceberg):
     table.append(batch(1200, 1300).drop_columns(["cat"]).append_column("extra", pa.array(["e"] * 100)))
     with pytest.raises(DataError, match="column 'cat' of the previous fit is no longer in the iceberg table"):
         pipeline.prepare(root, since=plan)
+
+
+# ---------------------------------------------------------------------------------------------
+# On Ray: the fit tasks of an increment on the cluster; a previous fit made by the count shuffle kept
+# no counts, so the first increment recounts its rows once, and the kept set is the same
+
+
+def test_an_increment_fitted_on_ray_after_a_shuffled_fit_keeps_ids_and_the_kept_set(tmp_path, ray_local):
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for i in range(2):
+        write_shard(folder, i)
+    first = pipeline.prepare(str(folder), use_ray=True, **SETTINGS)
+    assert first.fitted.history is None
+    write_shard(folder, 2)
+    plan = pipeline.prepare(str(folder), since=first, use_ray=True)
+    assert "recounted once" in plan.timings["fit_on"]
+    assert planned(plan) == list(range(4000, 6000))
+    assert_extends(first.fitted, plan.fitted)
+    whole = pipeline.prepare(str(folder), use_ray=False, **SETTINGS)
+    assert set(kept(whole.fitted)) == set(kept(plan.fitted))
