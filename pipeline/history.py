@@ -19,6 +19,7 @@ and only the order of the ids differs.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
@@ -190,17 +191,17 @@ def _merge(old: pa.Table | None, inc: pa.Table) -> pa.Table:
     return _by_hash(both)
 
 
-def _previous_part(v, q: int, partitions: int) -> tuple[pa.Array, np.ndarray, np.ndarray]:
-    """(values, hashes, ids) of the previous vocabulary `v` whose hashes fall in range q."""
+def _previous_part(v, q: int, partitions: int) -> tuple[pa.Array, np.ndarray, np.ndarray, np.ndarray | None]:
+    """(values, hashes, ids, hash index or None) of the previous vocabulary `v` whose hashes fall in range q."""
     if isinstance(v, PartedVocabulary) and v.partitions == partitions:
         if not v.sizes[q]:
-            return pa.array([], pa.large_string()), np.zeros(0, np.uint64), np.zeros(0, np.int32)
-        values, hashes, ids, _ = v.parts.part(q)[v.name]
-        return values, np.asarray(hashes, np.uint64), np.asarray(ids, np.int32)
+            return pa.array([], pa.large_string()), np.zeros(0, np.uint64), np.zeros(0, np.int32), None
+        values, hashes, ids, index = v.parts.part(q)[v.name]
+        return values, np.asarray(hashes, np.uint64), np.asarray(ids, np.int32), index
     whole = v.whole() if isinstance(v, PartedVocabulary) else v
     h = np.asarray(whole.hashes, np.uint64)
     sel = counts.partition_of(h, partitions) == q
-    return whole.values.filter(pa.array(sel)), h[sel], (np.flatnonzero(sel) + 1).astype(np.int32)
+    return whole.values.filter(pa.array(sel)), h[sel], (np.flatnonzero(sel) + 1).astype(np.int32), None
 
 
 def extend(prev, history: CountHistory, increment: dict[str, list[pa.Table]], cols, max_size: int, min_count: int,
@@ -221,13 +222,13 @@ def extend(prev, history: CountHistory, increment: dict[str, list[pa.Table]], co
         for c in columns:
             t = _merge(old.get(c.name), inc[q][c.name])
             merged_q[c.name] = t
-            values, hashes, ids = _previous_part(by_name[c.name], q, P)
+            values, hashes, ids, index = _previous_part(by_name[c.name], q, P)
             n = t["n"].to_numpy()
             # a kept value passed the threshold when it was kept, and counts only grow: look up those only
             passing = np.flatnonzero(n >= c.min_count)
             is_known = np.zeros(t.num_rows, bool)
             if len(values) and len(passing):
-                is_known[passing] = Vocabulary(values, hashes).positions(
+                is_known[passing] = Vocabulary(values, hashes, index).positions(
                     _col(t["v"]).take(pa.array(passing)), t["h"].to_numpy()[passing]) >= 0
             cand = t.filter(pa.array(~is_known & (n >= c.min_count)))
             known_q[c.name] = (values, hashes, ids, int(n[is_known].sum()))
@@ -274,6 +275,32 @@ def extend(prev, history: CountHistory, increment: dict[str, list[pa.Table]], co
                             "unknown_share": (total - covered[c.name]) / total if total else 0.0}
     hist = CountHistory(new_hist, [c.name for c in columns], history.rows + rows)
     return tuple(vocab), hist, coverage
+
+
+def recounted(prev, total, cols, p) -> CountHistory:
+    """The history of a previous fit that kept none (the count shuffle's), from its rows counted again,
+    laid out in its vocabularies' parts."""
+    parts = max([v.partitions for v in prev.vocab if isinstance(v, PartedVocabulary)], default=1)
+    return CountHistory.of(total.categories, shuffle_columns(cols, p.vocab_max_size, p.vocab_min_count), parts,
+                           total.rows)[0]
+
+
+def extended(prev, counts_then: CountHistory, total, cols, p, entry: dict):
+    """The previous fitted state extended by an increment's merged statistics `total` (p: the preprocess
+    settings; entry: the range, for the lineage)."""
+    nulls = {c: prev.stats.get("categorical", {}).get(c, {}).get("nulls", 0) + total.category_nulls.get(c, 0)
+             for c in prev.categorical}
+    vocab, counts_now, coverage = extend(prev, counts_then, total.categories, cols, p.vocab_max_size,
+                                         p.vocab_min_count, nulls, total.rows)
+    stats = {**prev.stats, "categorical": {**prev.stats.get("categorical", {}), **coverage},
+             "rows": prev.stats.get("rows", 0) + total.rows,
+             "lineage": [*prev.stats.get("lineage", []), {**entry, "previous": lineage_digest(prev), "rows": total.rows}]}
+    changes = {"vocab": vocab, "history": counts_now}
+    if p.refit_numeric:
+        got = refit_numeric(prev, total)
+        changes.update(mean=got["mean"], std=got["std"])
+        stats["numeric"] = got["numeric_stats"]
+    return replace(prev, stats=stats, **changes)
 
 
 def refit_numeric(prev, total) -> dict:
@@ -326,4 +353,5 @@ def growth(now, previous) -> dict[str, tuple[int, int]]:
     return {c: (before.get(c, 0), n) for c, n in zip(now.categorical, now.cardinalities)}
 
 
-__all__ = ["CountHistory", "extend", "refit_numeric", "growth", "lineage_digest", "to_state", "from_state"]
+__all__ = ["CountHistory", "extend", "extended", "recounted", "refit_numeric", "growth", "lineage_digest", "to_state",
+           "from_state"]

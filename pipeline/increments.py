@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import storage, tables
-from .errors import DataError
+from .errors import DataError, PipelineError
 
 _CDF_DIR = "_pipeline_increments"
 _CDF_KEEP = ("insert", "update_postimage")
@@ -74,6 +74,74 @@ def start_of(plan) -> Range:
     known = tuple((s.path, s.size_bytes, s.num_rows) for s in src.shards) + \
         tuple((b.path, _size(b.path, src.uri), b.rows) for b in src.bad_files)
     return Range("parquet", src.uri, "0", "0", known=known, next_id=ids)
+
+
+def same_settings(now: dict, then: dict) -> None:
+    """Refuse, naming them, the data/quality/preprocess settings (ingest._fit_settings) that differ from
+    the previous plan's: an extended fit's ids and thresholds mean something under its settings only."""
+    now, then = {k: dict(v) for k, v in now.items()}, {k: dict(v) for k, v in then.items()}
+    now["data"].pop("path", None), then["data"].pop("path", None)
+    changed = [f"{sec}.{k} = {then[sec].get(k)!r} then, {v!r} now" for sec, body in now.items() for k, v in body.items()
+               if then.get(sec, {}).get(k) != v]
+    if changed:
+        raise PipelineError(f"the previous plan was made with other settings ({'; '.join(changed[:4])}): an increment "
+                            f"extends its fit, so its data, quality and preprocess settings must stay the same. Leave "
+                            f"them out (since= takes the previous plan's), or {_FULL}")
+
+
+def gained(cfg, prev) -> tuple[tables.Snapshot | None, list[str] | None, Range]:
+    """What the source at cfg.data.path gained after the previous plan `prev`: (a table's files as a
+    Snapshot, or None; the paths to read instead (a folder's new files, the change data feed's rows),
+    or None; the range). Refused: another source, a column of the previous fit the table dropped."""
+    from .source import list_shards
+
+    start, uri = start_of(prev), cfg.data.path
+    fmt = "iceberg" if cfg.data.catalog else tables.find(uri)
+    other = same_source(start, uri, fmt)
+    if other:
+        raise PipelineError(f"{other}: since= must name a plan of the same table or folder. Pass that plan, or {_FULL}")
+    table, paths = None, None
+    if fmt == "delta":
+        table, rng, paths = delta(uri, start, cfg.data.version)
+    elif fmt == "iceberg":
+        table, rng = iceberg(uri, start, cfg.data.version, cfg.data.catalog)
+    else:
+        paths, rng = folder(uri, start, list_shards)
+    was, cols = _schema(prev.source), prev.source.columns
+    if table is not None and was is not None:
+        needed = [*cols.numeric, *cols.categorical, *(t.name for t in cols.targets), *([cols.weight] if cols.weight else [])]
+        gone = [c for c in needed if c in was.names and c not in table.schema.names]
+        if gone:
+            raise DataError(f"column '{gone[0]}' of the previous fit is no longer in the {fmt} table '{uri}' (version "
+                            f"{rng.upto}): an increment cannot fit or transform it. Add the column back, or {_FULL}")
+        rng = _added(rng, [c for c in table.schema.names if c not in was.names], "were added to the table")
+    return table, paths, rng
+
+
+def placed(src, rng: Range, before) -> tuple:
+    """The increment's Source with global row ids after the chain's, and its range with what it read
+    (a folder's files, for the next increment; columns its new files add)."""
+    src = replace(src, fragments=tuple(replace(f, row_start=f.row_start + rng.next_id) for f in src.fragments))
+    rng = replace(rng, next_id=rng.next_id + sum(s.num_rows for s in src.shards))
+    if src.table is None and rng.format == "parquet":
+        known = tuple((s.path, s.size_bytes, s.num_rows) for s in src.shards) + \
+            tuple((b.path, _size(b.path, src.uri), b.rows) for b in src.bad_files)
+        was = _schema(before)
+        rng = _added(replace(rng, known=rng.known + known),
+                     [c for s in src.shards[:1] for c in s.schema.names if was is not None and c not in was.names],
+                     "are new in the added files")
+    return src, rng
+
+
+def _schema(src) -> pa.Schema | None:
+    return src.table.schema if src.table is not None else src.shards[0].schema if src.shards else None
+
+
+def _added(rng: Range, added: list[str], how: str) -> Range:
+    if not added:
+        return rng
+    return replace(rng, notes=(*rng.notes, f"column(s) {', '.join(added)} {how} since the previous fit: not features "
+                                           f"until a full refit (prepare without since=)"))
 
 
 def same_source(start: Range, uri: str, fmt: str | None) -> str | None:

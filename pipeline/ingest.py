@@ -405,8 +405,7 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
 def _prepare_since(path, since, world_size, config, use_ray, data) -> IngestPlan:
     """prepare(since=...): the rows the source gained after the previous plan's version (increments.py),
     fitted by extending the previous fitted state (history.py), planned like any other rows."""
-    from . import history, increments, tables
-    from .source import Source, list_shards
+    from . import history, increments
 
     prev = IngestPlan.load(since) if isinstance(since, (str, Path)) else since
     if not isinstance(prev, IngestPlan):
@@ -415,71 +414,37 @@ def _prepare_since(path, since, world_size, config, use_ray, data) -> IngestPlan
     pinned = data.pop("version", None)  # the previous plan's pinned version is where this one starts, not ends
     cfg = build_config(config if config is not None else prev.config, path, **data,
                        settings={"data.version": pinned or ""})
-    now, then = _fit_settings(cfg), _fit_settings(prev.config)
-    now["data"].pop("path"), then["data"].pop("path")
-    changed = [f"{sec}.{k} = {then[sec].get(k)!r} then, {v!r} now" for sec, body in now.items() for k, v in body.items()
-               if then[sec].get(k) != v]
-    if changed:
-        raise PipelineError(f"the previous plan was made with other settings ({'; '.join(changed[:4])}): an increment "
-                            f"extends its fit, so its data, quality and preprocess settings must stay the same. Leave "
-                            f"them out (since= takes the previous plan's), or prepare without since= to fit anew")
-    start, uri = increments.start_of(prev), cfg.data.path
-    fmt = "iceberg" if cfg.data.catalog else tables.find(uri)
-    other = increments.same_source(start, uri, fmt)
-    if other:
-        raise PipelineError(f"{other}: since= must name a plan of the same table or folder. Pass that plan, or "
-                            f"prepare without since=")
+    increments.same_settings(_fit_settings(cfg), _fit_settings(prev.config))
     cols = prev.source.columns
     if prev.source.inferred is not None:  # the features stay the previous fit's, whatever the table adds
         cfg = build_config(cfg, settings={"data.numeric": list(cols.numeric), "data.categorical": list(cols.categorical)})
     world = world_size or _default_world()
     t0 = time.perf_counter()
-    table, paths = None, None
-    if fmt == "delta":
-        table, rng, paths = increments.delta(uri, start, cfg.data.version)
-    elif fmt == "iceberg":
-        table, rng = increments.iceberg(uri, start, cfg.data.version, cfg.data.catalog)
-    else:
-        paths, rng = increments.folder(uri, start, list_shards)
-    was = prev.source.table.schema if prev.source.table is not None else \
-        prev.source.shards[0].schema if prev.source.shards else None
-    if table is not None and was is not None:
-        needed = [*cols.numeric, *cols.categorical, *(t.name for t in cols.targets), *([cols.weight] if cols.weight else [])]
-        gone = [c for c in needed if c in was.names and c not in table.schema.names]
-        if gone:
-            raise DataError(f"column '{gone[0]}' of the previous fit is no longer in the {fmt} table '{uri}' (version "
-                            f"{rng.upto}): an increment cannot fit or transform it. Add the column back, or prepare "
-                            f"without since= to fit the table as it is now")
-        added = [c for c in table.schema.names if c not in was.names]
-        if added:
-            rng = replace(rng, notes=(*rng.notes, f"column(s) {', '.join(added)} were added to the table since the "
-                                                  f"previous fit: not features until a full refit (prepare without since=)"))
+    table, paths, rng = increments.gained(cfg, prev)
     if not paths and (table is None or not table.files):
-        src = Source(uri, (), (), columns=cols, table=table)
-        return IngestPlan(cfg, src, prev.fitted, Accounting(), world, [[] for _ in range(world)],
-                          [[] for _ in range(world)], timings={"validate_s": time.perf_counter() - t0, "fit_s": 0.0,
-                                                               "planned_at": time.time(), "fit_on": "nothing to fit"},
-                          increment=replace(rng, upto=rng.upto))
+        return IngestPlan(cfg, Source(cfg.data.path, (), (), columns=cols, table=table), prev.fitted, Accounting(),
+                          world, [[] for _ in range(world)], [[] for _ in range(world)],
+                          timings={"validate_s": time.perf_counter() - t0, "fit_s": 0.0, "planned_at": time.time(),
+                                   "fit_on": "nothing to fit"}, increment=rng)
     if table is not None and not paths:
         src = inspect(cfg, table=table)
-    else:
-        src = inspect(cfg, paths[0].rsplit("/", 1)[0] if table is not None else uri, paths=paths)
-    src = replace(src, fragments=tuple(replace(f, row_start=f.row_start + rng.next_id) for f in src.fragments))
-    rng = replace(rng, next_id=rng.next_id + sum(s.num_rows for s in src.shards))
-    if table is None:
-        known = tuple((s.path, s.size_bytes, s.num_rows) for s in src.shards) + \
-            tuple((b.path, increments._size(b.path, uri), b.rows) for b in src.bad_files)
-        rng = replace(rng, known=rng.known + known)
-        added = [c for s in src.shards[:1] for c in s.schema.names if was is not None and c not in was.names]
-        if added:
-            rng = replace(rng, notes=(*rng.notes, f"column(s) {', '.join(added)} are new in the added files: not "
-                                                  f"features until a full refit (prepare without since=)"))
+    else:  # new files of a folder, or the change data feed's rows written beside the table
+        src = inspect(cfg, paths[0].rsplit("/", 1)[0] if table is not None else cfg.data.path, paths=paths)
+    src, rng = increments.placed(src, rng, prev.source)
     spec = read_spec(cfg, src)
     on_ray = _fit_on_ray(cfg.run.fit_on) if use_ray is None else use_ray
     t1 = time.perf_counter()
-    records = _records(src, spec, cfg, on_ray)
-    total, acct = merge_fit(records, src)
-    fitted, how = _extended(prev, total, src, spec, cfg, on_ray, rng, history)
+    total, acct = merge_fit(_records(src, spec, cfg, on_ray), src)
+    counts_then, how = prev.fitted.history, ""
+    if counts_then is None or not counts_then.partitions:  # a fit by the count shuffle kept none: recounted once
+        if prev.increment is not None:
+            raise PipelineError("the previous plan's fitted state keeps no category counts (it was pickled without "
+                                "plan.save, or fitted on a Ray cluster), so the thresholds cannot count over the "
+                                "whole history. Pass the plan saved with plan.save, or prepare without since=")
+        total0, _ = merge_fit(_records(prev.source, prev.spec, cfg, on_ray), prev.source)
+        counts_then = history.recounted(prev.fitted, total0, prev.source.columns, cfg.preprocess)
+        how = "; the previous plan's rows recounted once: its state kept no counts"
+    fitted = history.extended(prev.fitted, counts_then, total, src.columns, cfg.preprocess, rng.to_dict())
     fit_s = time.perf_counter() - t1
     plan = IngestPlan(cfg, src, fitted, acct, world, **_shares(src, acct, world, cfg.train.shuffle == "global"),
                       timings={"validate_s": t1 - t0, "fit_s": fit_s, "planned_at": time.time(),
@@ -494,43 +459,14 @@ def _prepare_since(path, since, world_size, config, use_ray, data) -> IngestPlan
 
 
 def _records(src: Source, spec: ReadSpec, cfg: Config, on_ray: bool) -> list:
+    """The fit tasks' records with their category counts (an increment extends the counts here)."""
     if on_ray:
         from . import ray_side
 
-        return ray_side.fit_records(src, spec, cfg.run.stall_timeout_s)[0]  # counts come back: extended here
+        return ray_side.fit_records(src, spec, cfg.run.stall_timeout_s)[0]
     from . import local_side
 
     return local_side.fit_records(src, spec, cfg.run.stall_timeout_s)
-
-
-def _extended(prev: IngestPlan, total, src: Source, spec: ReadSpec, cfg: Config, on_ray: bool, rng, history):
-    """The previous fitted state extended by the increment's statistics, and what the [fit] line adds."""
-    p, old, how = cfg.preprocess, prev.fitted, ""
-    columns = shuffle_columns(src.columns, p.vocab_max_size, p.vocab_min_count)
-    counts_then = old.history
-    if counts_then is None or not counts_then.partitions:
-        if prev.increment is not None:
-            raise PipelineError(f"the previous plan's fitted state keeps no category counts (it was pickled without "
-                                f"plan.save, or fitted on a Ray cluster), so the thresholds cannot count over the "
-                                f"whole history. Pass the plan saved with plan.save, or prepare without since=")
-        parts = max([v.partitions for v in old.vocab if hasattr(v, "partitions")], default=1)
-        total0, _ = merge_fit(_records(prev.source, prev.spec, cfg, on_ray), prev.source)
-        counts_then, _ = history.CountHistory.of(total0.categories, columns, parts, total0.rows)
-        how = "; the previous plan's rows recounted once: its state kept no counts"
-    nulls = {c: old.stats.get("categorical", {}).get(c, {}).get("nulls", 0) + total.category_nulls.get(c, 0)
-             for c in old.categorical}
-    vocab, counts_now, coverage = history.extend(old, counts_then, total.categories, src.columns, p.vocab_max_size,
-                                                 p.vocab_min_count, nulls, total.rows)
-    stats = {**old.stats, "categorical": {**old.stats.get("categorical", {}), **coverage},
-             "rows": old.stats.get("rows", 0) + total.rows,
-             "lineage": [*old.stats.get("lineage", []), {**rng.to_dict(), "previous": history.lineage_digest(old),
-                                                         "rows": total.rows}]}
-    changes: dict[str, Any] = {"vocab": vocab, "history": counts_now}
-    if p.refit_numeric:
-        got = history.refit_numeric(old, total)
-        changes.update(mean=got["mean"], std=got["std"])
-        stats["numeric"] = got["numeric_stats"]
-    return replace(old, stats=stats, **changes), how
 
 
 # ---------------------------------------------------------------------------------------------

@@ -293,3 +293,19 @@ def test_an_increment_fitted_on_ray_after_a_shuffled_fit_keeps_ids_and_the_kept_
     assert_extends(first.fitted, plan.fitted)
     whole = pipeline.prepare(str(folder), use_ray=False, **SETTINGS)
     assert set(kept(whole.fitted)) == set(kept(plan.fitted))
+
+
+def test_a_full_vocabulary_gives_no_new_id_and_says_how_many_rows_are_unknown(tmp_path):
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    write_shard(folder, 0)
+    capped = {**SETTINGS, "vocab_max_size": 40, "vocab_min_count": 1}
+    first = pipeline.prepare(str(folder), **capped)
+    assert len(first.fitted.vocab[0]) == 40
+    write_shard(folder, 1)
+    plan = pipeline.prepare(str(folder), since=first)
+    assert kept(plan.fitted) == kept(first.fitted) and plan.fitted.growth(first.fitted)["cat"] == (41, 41)
+    share = plan.fitted.stats["categorical"]["cat"]["unknown_share"]
+    whole = pipeline.prepare(str(folder), **capped)
+    assert 0 < share and share >= whole.fitted.stats["categorical"]["cat"]["unknown_share"]
+    assert any("40 of " in line and "unknown" in line for line in plan.describe())
