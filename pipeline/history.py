@@ -231,7 +231,7 @@ def extend(prev, history: CountHistory, increment: dict[str, list[pa.Table]], co
                 is_known[passing] = Vocabulary(values, hashes, index).positions(
                     _col(t["v"]).take(pa.array(passing)), t["h"].to_numpy()[passing]) >= 0
             cand = t.filter(pa.array(~is_known & (n >= c.min_count)))
-            known_q[c.name] = (values, hashes, ids, int(n[is_known].sum()))
+            known_q[c.name] = (values, hashes, ids, int(n[is_known].sum()), is_known)
             cand_q[c.name] = cand
             summ_q[c.name] = {"hist": np.unique(cand["n"].to_numpy(), return_counts=True),
                               "distinct": t.num_rows, "rows": int(n.sum())}
@@ -244,12 +244,20 @@ def extend(prev, history: CountHistory, increment: dict[str, list[pa.Table]], co
     cut = counts.cuts(summaries, room) if columns else [{} for _ in range(P)]
     parts, kept, digests, coverage = [], {c.name: [] for c in columns}, {c.name: [] for c in columns}, {}
     covered = {c.name: 0 for c in columns}
+    buckets = {c.name: (np.zeros(c.buckets, np.int64), np.zeros(c.buckets, np.int64)) for c in columns
+               if c.buckets_of_rest}
     for q in range(P):
         summ, new_part = counts.finalize(cands[q], cut[q], room)
         part = {}
         for c in columns:
-            values, hashes, ids, cov = known[q][c.name]
+            values, hashes, ids, cov, is_known = known[q][c.name]
             nv, nh, nid, _ = new_part[c.name]
+            if c.name in buckets:  # vocab+hash: the values left out share hash buckets
+                t = new_hist[q][c.name]
+                rest = ~is_known & ~np.isin(t["h"].to_numpy(), nh)
+                b = (t["h"].to_numpy()[rest] % np.uint64(c.buckets)).astype(np.int64)
+                buckets[c.name][0][:] += np.bincount(b, minlength=c.buckets)
+                buckets[c.name][1][:] += np.bincount(b, weights=t["n"].to_numpy()[rest], minlength=c.buckets).astype(np.int64)
             nid = (nid.astype(np.int64) + len(by_name[c.name])).astype(np.int32)
             covered[c.name] += cov + summ[c.name]["covered"]
             allv = pa.concat_arrays([_col(values).cast(pa.large_string()), _col(nv).cast(pa.large_string())])
@@ -271,8 +279,13 @@ def extend(prev, history: CountHistory, increment: dict[str, list[pa.Table]], co
     for c in columns:
         distinct = sum(s[c.name]["distinct"] for s in summaries)
         total = sum(s[c.name]["rows"] for s in summaries)
+        rest = (total - covered[c.name]) / total if total else 0.0
         coverage[c.name] = {"distinct": distinct, "kept": sum(kept[c.name]), "nulls": nulls.get(c.name, 0),
-                            "unknown_share": (total - covered[c.name]) / total if total else 0.0}
+                            "unknown_share": rest}
+        if c.name in buckets:  # as counts.coverage says it for a fit: the rest hashed, not unknown
+            occupied, in_bucket = buckets[c.name]
+            coverage[c.name].update(unknown_share=0.0, hashed_share=rest, hashed_into=c.buckets,
+                                    shared_bucket_share=float(in_bucket[occupied >= 2].sum() / total) if total else 0.0)
     hist = CountHistory(new_hist, [c.name for c in columns], history.rows + rows)
     return tuple(vocab), hist, coverage
 

@@ -309,3 +309,22 @@ def test_a_full_vocabulary_gives_no_new_id_and_says_how_many_rows_are_unknown(tm
     whole = pipeline.prepare(str(folder), **capped)
     assert 0 < share and share >= whole.fitted.stats["categorical"]["cat"]["unknown_share"]
     assert any("40 of " in line and "unknown" in line for line in plan.describe())
+
+
+def test_vocab_plus_hash_sends_what_a_full_vocabulary_leaves_out_to_its_buckets(tmp_path):
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    write_shard(folder, 0)
+    hashed = {**SETTINGS, "vocab_max_size": 40, "vocab_min_count": 1,
+              "settings": {"preprocess.columns": {"cat": {"encode": "vocab+hash", "buckets": 64}}}}
+    first = pipeline.prepare(str(folder), **hashed)
+    write_shard(folder, 1)
+    plan = pipeline.prepare(str(folder), since=first)
+    whole = pipeline.prepare(str(folder), **hashed)
+    got, want = plan.fitted.stats["categorical"]["cat"], whole.fitted.stats["categorical"]["cat"]
+    assert got["unknown_share"] == 0.0 and got["hashed_into"] == 64 and got["distinct"] == want["distinct"]
+    assert got["hashed_share"] >= want["hashed_share"] > 0  # the kept 40 are the first block's, not the whole's
+    assert any("hashed into 64 buckets" in line for line in plan.describe())
+    t = pa.table({"cat": pa.array(["c1", "never-seen"]), "x": [1.0, 2.0]})
+    ids = plan.fitted.transform(t, with_target=False).x_cat[:, 0]
+    assert ids[0] == kept(first.fitted)["c1"] and ids[1] > 40  # a bucket id after the vocabulary
