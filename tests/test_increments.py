@@ -328,3 +328,23 @@ def test_vocab_plus_hash_sends_what_a_full_vocabulary_leaves_out_to_its_buckets(
     t = pa.table({"cat": pa.array(["c1", "never-seen"]), "x": [1.0, 2.0]})
     ids = plan.fitted.transform(t, with_target=False).x_cat[:, 0]
     assert ids[0] == kept(first.fitted)["c1"] and ids[1] > 40  # a bucket id after the vocabulary
+
+
+def test_a_delta_chain_plans_every_appended_row_once_on_any_world_size(tmp_path):
+    path = str(tmp_path / "delta")
+    write_deltalake(path, batch(0, 600))
+    plans, seen = [pipeline.prepare(path, **SETTINGS)], list(range(600))
+    steps = [lambda: write_deltalake(path, batch(600, 900), mode="append"),
+             lambda: (DeltaTable(path).optimize.compact(), write_deltalake(path, batch(900, 1000), mode="append")),
+             lambda: (DeltaTable(path).delete("id < 50"), write_deltalake(path, batch(1000, 1400), mode="append"))]
+    for world, change in zip((2, 3, 1), steps):
+        a = DeltaTable(path).version()
+        change()
+        plan = pipeline.prepare(path, since=plans[-1], world_size=world)
+        got = planned(plan, world)
+        assert got == sorted(delta_ids(path, DeltaTable(path).version()) - delta_ids(path, a))
+        assert plan.increment.after == str(a)
+        assert_extends(plans[-1].fitted, plan.fitted)
+        seen += got
+        plans.append(plan)
+    assert seen == list(range(1400))
