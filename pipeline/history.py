@@ -77,6 +77,22 @@ class CountHistory:
         parts = [{c: t.select(["v", "h", "n"]) for c, t in p.items()} for p in counts.split(merged, cols, partitions)]
         return cls(parts, [c.name for c in cols], rows), merged
 
+    @classmethod
+    def fit(cls, categories: dict[str, list[pa.Table]], columns: Sequence[counts.Column], partitions: int,
+            rows: int) -> tuple[tuple, "CountHistory"]:
+        """(shuffled, history): counts.in_process's shuffle of a fit without Ray (the same functions, so the
+        same ids), keeping the vocabulary columns' split count tables as the history: the fit merges and
+        splits its counts once, as it did before it kept them."""
+        from .columns import count_merge
+
+        mapped = counts.split({c.name: count_merge(categories.get(c.name, [])) for c in columns}, columns, partitions)
+        first, merged = map(list, zip(*(counts.reduce_counts([m], columns) for m in mapped)))
+        second, parts = map(list, zip(*(counts.finalize(m, k, columns)
+                                        for m, k in zip(merged, counts.cuts(first, columns)))))
+        names = [c.name for c in columns if c.counted]
+        return (parts, first, second), cls([{c: m[c].select(["v", "h", "n"]) for c in names} for m in mapped], names,
+                                           rows)
+
     def on_files(self, folder_uri: str) -> "CountHistory":
         """Every part written to folder_uri (once per digest) and read from there."""
         paths = [storage.join(folder_uri, f"part-{q:05d}.arrow") for q in range(self.partitions)]

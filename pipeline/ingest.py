@@ -353,7 +353,7 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
     t1 = time.perf_counter()
     reuse = fit_from or cfg.run.fit_from
     saved = load_fit(reuse, cfg, src) if reuse else None
-    shuffled, partitions, kept = None, 1, None
+    shuffled, partitions, kept, here = None, 1, None, None
     if saved is not None:
         fitted, acct = fitted or saved[0], saved[1]
         on_ray, fit_s = False, 0.0
@@ -368,12 +368,11 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
         else:
             records, shuffled = side.fit_records(src, spec, cfg.run.stall_timeout_s), None
         total, acct = merge_fit(records, src)
-        if shuffled is None and fitted is None:  # every count, kept for prepare(since=...) (history.py)
+        if shuffled is None and fitted is None:  # the shuffle here, every count kept for prepare(since=...)
             from .history import CountHistory
 
-            kept, merged = CountHistory.of(total.categories, shuffle_columns(src.columns, p.vocab_max_size,
-                                                                             p.vocab_min_count), partitions, total.rows)
-            total.categories.update({c: [t] for c, t in merged.items()})  # merged once: the fit takes them as they are
+            here, kept = CountHistory.fit(total.categories, shuffle_columns(src.columns, p.vocab_max_size,
+                                                                            p.vocab_min_count), partitions, total.rows)
         fit_s = time.perf_counter() - t1
         total_rows = total.rows
     if total_rows == 0:
@@ -387,7 +386,8 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
                                                              min_count=p.vocab_min_count,
                                                              missing_indicator=p.missing_indicator,
                                                              standardize_target=p.standardize_target,
-                                                             partitions=partitions, shuffled=shuffled), history=kept)
+                                                             partitions=partitions, shuffled=shuffled or here),
+                               history=kept)
     if saved is None:
         fit_s = time.perf_counter() - t1  # the vocabularies' cut and parts included
     plan = IngestPlan(cfg, src, fitted, acct, world, **_shares(src, acct, world, cfg.train.shuffle == "global"),
