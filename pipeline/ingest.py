@@ -421,6 +421,13 @@ def _prepare_since(path, since, world_size, config, use_ray, data) -> IngestPlan
     world = world_size or _default_world()
     t0 = time.perf_counter()
     table, paths, rng = increments.gained(cfg, prev)
+    dist = _torch_dist()
+    if table is not None and not pinned and dist is not None and dist.get_world_size() > 1:
+        ends = [None] * dist.get_world_size()  # every process reads up to rank 0's version, as agreed_version does
+        dist.all_gather_object(ends, rng.upto)
+        if ends[dist.get_rank()] != ends[0]:
+            cfg = build_config(cfg, settings={"data.version": ends[0]})
+            table, paths, rng = increments.gained(cfg, prev)
     if not paths and (table is None or not table.files):
         return IngestPlan(cfg, Source(cfg.data.path, (), (), columns=cols, table=table), prev.fitted, Accounting(),
                           world, [[] for _ in range(world)], [[] for _ in range(world)],

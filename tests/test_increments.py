@@ -348,3 +348,23 @@ def test_a_delta_chain_plans_every_appended_row_once_on_any_world_size(tmp_path)
         seen += got
         plans.append(plan)
     assert seen == list(range(1400))
+
+
+def test_an_increment_resumes_mid_epoch_on_another_world_size(tmp_path):
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    write_shard(folder, 0)
+    first = pipeline.prepare(str(folder), **SETTINGS)
+    write_shard(folder, 1)
+    plan = pipeline.prepare(str(folder), since=first, world_size=2)
+    kw = dict(batch_size=50, device="cpu", shuffle=True, drop_last=False)
+    loaders = [pipeline.rank_data(plan, rank=r, world_size=2, **kw).loader for r in range(2)]
+    for loader in loaders:
+        loader.set_epoch(0)
+        it = iter(loader)
+        for _ in range(5):
+            next(it)
+    state = loaders[0].state_dict()
+    assert state == loaders[1].state_dict()
+    rest = pipeline.rank_data(plan, rank=0, world_size=1, resume=state, **kw)
+    assert sum(len(b.y) for b in rest.loader) == plan.train_rows - 2 * 5 * 50  # the rest of the epoch, on one rank
