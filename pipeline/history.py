@@ -103,7 +103,11 @@ class CountHistory:
         return CountHistory(paths, self.columns, self.rows, self.digest)
 
     def __reduce__(self):
-        return CountHistory, (self.sources, self.columns, self.rows, self._digest)
+        # Counts in memory are not pickled: a plan or fitted state sent to Ray tasks and training workers
+        # must stay small, and they need no counts. On files (plan.save, fitted.save), their paths go.
+        if all(isinstance(s, str) for s in self.sources):
+            return CountHistory, (self.sources, self.columns, self.rows, self._digest)
+        return CountHistory, ([], self.columns, self.rows, None)
 
 
 def _digest(parts: Sequence[dict[str, pa.Table]]) -> str:

@@ -368,3 +368,23 @@ def test_an_increment_resumes_mid_epoch_on_another_world_size(tmp_path):
     assert state == loaders[1].state_dict()
     rest = pipeline.rank_data(plan, rank=0, world_size=1, resume=state, **kw)
     assert sum(len(b.y) for b in rest.loader) == plan.train_rows - 2 * 5 * 50  # the rest of the epoch, on one rank
+
+
+def test_counts_in_memory_are_not_pickled_with_the_plan(tmp_path):
+    import pickle
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    write_shard(folder, 0)
+    plan = pipeline.prepare(str(folder), **SETTINGS)
+    assert plan.fitted.history.partitions and plan.fitted.history.values > 0
+    sent = pickle.loads(pickle.dumps(plan))  # as to Ray tasks and training workers: small, without counts
+    assert sent.fitted.history.partitions == 0 and len(pickle.dumps(plan)) < len(pickle.dumps(plan.fitted.vocab)) + 20_000
+    plan.save(str(tmp_path / "plan.pkl"))  # saved: the counts as files beside it
+    assert pipeline.IngestPlan.load(str(tmp_path / "plan.pkl")).fitted.history.values == plan.fitted.history.values
+    write_shard(folder, 1)
+    again = pipeline.prepare(str(folder), since=sent)  # a full plan without its counts: recounted once
+    assert "recounted once" in again.timings["fit_on"] and planned(again) == list(range(2000, 4000))
+    write_shard(folder, 2)
+    with pytest.raises(PipelineError, match="keeps no category counts"):
+        pipeline.prepare(str(folder), since=pickle.loads(pickle.dumps(again)))
