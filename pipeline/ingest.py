@@ -339,6 +339,9 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
     docs/continuous.md). Its settings are the previous plan's unless given (and then must equal them).
     Nothing new gives an empty plan: test `plan.empty`."""
     if since is not None:
+        if fitted is not None or fit_from:
+            raise ConfigError("since= extends the previous plan's fitted state; it takes no fitted= or fit_from= (leave "
+                              "them out, or prepare without since= to use them)")
         return _prepare_since(path, since, world_size, config, use_ray, data)
     cfg = build_config(config, path, **data)
     world = world_size or _default_world()
