@@ -186,6 +186,15 @@ def test_delta_update_without_the_feed_and_a_cleaned_log_are_refused(tmp_path):
     with pytest.raises(DataError, match=r"UPDATE .*delta.enableChangeDataFeed = true.* without since=") as e:
         pipeline.prepare(path, since=first)
     assert "\n" not in str(e.value)
+    # A file the range added, compacted away and then vacuumed: its rows cannot be read.
+    vac = str(tmp_path / "vacuumed")
+    write_deltalake(vac, batch(0, 300))
+    before = pipeline.prepare(vac, **SETTINGS)
+    write_deltalake(vac, batch(300, 400), mode="append")
+    DeltaTable(vac).optimize.compact()
+    DeltaTable(vac).vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False)
+    with pytest.raises(DataError, match="no longer has the data file .* that version 1 added"):
+        pipeline.prepare(vac, since=before)
     write_deltalake(path, batch(500, 600), mode="append")
     DeltaTable(path).create_checkpoint()  # then the log before it cleaned up, as a metadata cleanup does
     for v in (0, 1):
