@@ -158,8 +158,9 @@ def _col(a):
 
 
 def to_state(h: CountHistory | None, uri: str) -> dict | None:
-    """The history's entry in a saved state's JSON, its parts written beside `uri`."""
-    if h is None:
+    """The history's entry in a saved state's JSON, its parts written beside `uri` (None where the state
+    keeps none, or only their place: a state pickled to a Ray worker leaves its counts behind)."""
+    if h is None or not h.partitions:
         return None
     name = f"counts-{h.digest}"
     h.on_files(uri.rsplit("/", 1)[0] + "/" + name if "/" in uri else name)

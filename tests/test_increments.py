@@ -397,3 +397,5 @@ def test_counts_in_memory_are_not_pickled_with_the_plan(tmp_path):
     write_shard(folder, 2)
     with pytest.raises(PipelineError, match="keeps no category counts"):
         pipeline.prepare(str(folder), since=pickle.loads(pickle.dumps(again)))
+    sent.fitted.save(str(tmp_path / "worker" / "pre.json"))  # a training worker saves what it got: no counts
+    assert pipeline.FittedPreprocessor.load(str(tmp_path / "worker" / "pre.json")).history is None
