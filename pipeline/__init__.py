@@ -4,6 +4,7 @@ The public names (everything a training loop needs; nothing else has to be impor
 
 - `prepare(path, label=..., world_size=...)` -> `IngestPlan`: validate, fit in one pass, plan every
   rank's share. `plan.trainer_kwargs()` gives TorchTrainer its datasets and DataConfig.
+  `prepare(path, since=previous_plan)`: only the rows gained since, the previous fit extended (ids kept).
 - `rank_data(plan, batch_size=...)` -> `RankData`: this rank's `train`/`val` rows and a `loader` of
   `Batch`es (Ray Train, torchrun or a single process).
 - `FittedPreprocessor` (serving, no Ray, no torch): `.load(path).transform(df)` -> `Transformed`.

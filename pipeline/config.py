@@ -132,6 +132,9 @@ class PreprocessSection(_Section):
                             "process holds every distinct value; \"auto\" is one per 4M rows (1 to 64). It lays "
                             "out the vocabularies in parts; the ids are the same whatever it is")
     missing_indicator: bool = Field(True, description="add a 0/1 column per numeric feature that had nulls")
+    refit_numeric: bool = Field(False, description="prepare(since=...): merge the increment into the numeric "
+                                                   "statistics (false: keep the previous fit's scaling, as a warm-started "
+                                                   "model saw it)")
     standardize_target: bool = Field(True, description="regression targets: train on (y - mean) / std; "
                                                         "FittedPreprocessor.inverse_target undoes it")
     function: str = Field("", description="your own vectorised function, 'package.module:function', pyarrow Table -> "
