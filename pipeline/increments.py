@@ -101,12 +101,13 @@ def gained(cfg, prev) -> tuple[tables.Snapshot | None, list[str] | None, Range]:
     if other:
         raise PipelineError(f"{other}: since= must name a plan of the same table or folder. Pass that plan, or {_FULL}")
     table, paths = None, None
-    if fmt == "delta":
-        table, rng, paths = delta(uri, start, cfg.data.version)
-    elif fmt == "iceberg":
-        table, rng = iceberg(uri, start, cfg.data.version, cfg.data.catalog)
-    else:
-        paths, rng = folder(uri, start, list_shards)
+    with tables.guarded(f"the {fmt or 'Parquet'} source '{uri}'", f"planning what it gained after version {start.upto}"):
+        if fmt == "delta":
+            table, rng, paths = delta(uri, start, cfg.data.version)
+        elif fmt == "iceberg":
+            table, rng = iceberg(uri, start, cfg.data.version, cfg.data.catalog)
+        else:
+            paths, rng = folder(uri, start, list_shards)
     was, cols = _schema(prev.source), prev.source.columns
     if table is not None and was is not None:
         needed = [*cols.numeric, *cols.categorical, *(t.name for t in cols.targets), *([cols.weight] if cols.weight else [])]

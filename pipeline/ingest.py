@@ -463,6 +463,7 @@ def _prepare_since(path, since, world_size, config, use_ray, data) -> IngestPlan
                                "fit_on": ("Ray" if on_ray else "this process") + how}, increment=rng)
     if _ray_ready():
         fitted.shared()
+        keep_beyond_session(fitted.vocab, fitted.vocab_digest)
     if min(plan.train_sizes) == 0 and plan.train_rows:
         raise DataError(f"{world} ranks but only {plan.train_rows:,} training rows in the increment ({rng.describe()}): "
                         f"ranks {[r for r, n in enumerate(plan.train_sizes) if n == 0]} would get none; use fewer ranks "
