@@ -170,11 +170,10 @@ def prepare_run(cfg: Config, out_uri: str, world_size: int, use_ray: bool | None
             raise
         storage.write_text(manifest, e.manifest_jsonl)
         raise DataError(f"{e} Every file and row group set aside is listed in {manifest}", e.details) from None
+    warm = ""
     if prev is not None:
         check_shape(prev, cfg, plan)
-        line, info = warm_line(prev, plan, growth(prev["plan"].fitted, plan.fitted))
-        plan.timings["warm"] = info
-        print(line, flush=True)
+        warm, plan.timings["warm"] = warm_line(prev, plan, growth(prev["plan"].fitted, plan.fitted))
     if earlier:
         print(f"[fit] resuming: using the preprocessor fitted earlier, {saved}", flush=True)
     else:
@@ -185,7 +184,9 @@ def prepare_run(cfg: Config, out_uri: str, world_size: int, use_ray: bool | None
     if plan.accounting.quarantined:
         storage.write_text(manifest, plan.accounting.manifest_jsonl())
     lines = plan.describe()
-    lines[2] += f"; manifest {manifest}" if plan.accounting.quarantined else ""
+    if plan.accounting.quarantined:
+        lines[2] += f"; manifest {manifest}"
+    lines += [warm] if warm else []
     print("\n".join(lines) + f"\n[fit] saved {saved} and {fit_json} (reuse it with --run.fit_from)", flush=True)
     return plan
 
@@ -297,16 +298,20 @@ def run(cfg: Config, started: float | None = None, ray_s: float = 0.0,
     else:  # ray_data: the plan's DataConfig is part of the trainer, so the plan comes first
         plan = early.result() if early else plan_run(cfg, out_uri)
         started_at = time.time()
-        result = trainer(plan, **plan.trainer_kwargs(cpus_per_worker=0.0 if use_gpu else 1.0)).fit()
+        result = None if plan.empty else \
+            trainer(plan, **plan.trainer_kwargs(cpus_per_worker=0.0 if use_gpu else 1.0)).fit()
     plan.timings["trainer_started_at"] = started_at
     if early is not None:
         plan.timings["ray_span"] = early.ray_span
     acct = plan.accounting
     history = getattr(result, "return_value", None) or []  # Ray 2.52 has no return_value: then the last checkpoint's
-    if not history and result.checkpoint is not None:
+    if not history and result is not None and result.checkpoint is not None:
         with result.checkpoint.as_directory() as d:
             history = torch.load(os.path.join(d, CHECKPOINT_FILE), weights_only=False)["history"]
     missing = sorted(set(range(1, cfg.train.epochs + 1)) - {int(e["epoch"]) for e in history}) if history else []
+    if plan.empty:  # nothing new after the previous run's version: its model stands, and this run moves since= on
+        print(f"[warm] nothing new: the model stays the previous run's ({plan.timings['warm']['previous_checkpoint']}); "
+              f"the next --run.since may name this run", flush=True)
     if missing:  # a defect, never expected: say so rather than report fewer epochs quietly
         print(f"[train] warning: the run trained {cfg.train.epochs} epochs but its final history lacks the metrics "
               f"of epoch(s) {missing}; its checkpoints are in {out_uri}", flush=True)
@@ -314,7 +319,9 @@ def run(cfg: Config, started: float | None = None, ray_s: float = 0.0,
                "accounting_summary": acct.summary(), "epochs": history,
                "coverage": plan.fitted.stats.get("categorical", {}),
                "targets": [{"name": t.name, "kind": t.kind, "classes": len(t.classes)} for t in plan.fitted.targets],
-               "checkpoint": storage.to_uri(result.checkpoint.filesystem, result.checkpoint.path) if result.checkpoint else None,
+               "checkpoint": storage.to_uri(result.checkpoint.filesystem, result.checkpoint.path)
+               if result is not None and result.checkpoint else
+               plan.timings["warm"]["previous_checkpoint"] if plan.empty else None,
                "preprocessor": storage.join(out_uri, PREPROCESSOR_FILE), "use_gpu": use_gpu,
                **({"warm": plan.timings["warm"]} if "warm" in plan.timings else {}),
                "wall_s": round(time.perf_counter() - t_start, 2)}

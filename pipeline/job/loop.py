@@ -63,6 +63,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
         if plan is None:  # the driver's prepare failed; it reports why, in one paragraph
             return []
     clock["plan_ready"] = time.time()
+    if plan.empty:  # an increment with nothing new (started beside the fit): the previous model stands
+        return []
     cfg, fitted = plan.config, plan.fitted
     ckpt = ray.train.get_checkpoint()
     state = None
