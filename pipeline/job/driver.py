@@ -13,7 +13,7 @@ import pipeline
 from pipeline import Config, DataError, NoUsableRows, PipelineError, storage
 
 from .loop import CHECKPOINT_FILE, FIT_FILE, PREPROCESSOR_FILE, QUARANTINE_FILE, train_loop_per_worker
-from .warm import PLAN_FILE, check_shape, growth, previous_run, warm_line
+from .warm import PLAN_FILE, check_shape, growth, previous_run, run_folder, warm_line
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,6 +252,8 @@ def run(cfg: Config, started: float | None = None, ray_s: float = 0.0,
         raise PipelineError("data.label is empty, so there is nothing for the built-in train job to learn; name the "
                             "target column(s) with data.label, or read unlabelled rows through pipeline.prepare and "
                             "pipeline.rank_data in your own loop (docs/api.md)")
+    if cfg.run.since:  # resolved once (runs/<name>: its newest finished run), so every worker reads that run
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"since": run_folder(cfg.run.since)})})
     name = run_name(cfg)
     out_uri = storage.join(cfg.run.output, name)
     t_start = time.perf_counter()

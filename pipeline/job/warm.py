@@ -5,8 +5,10 @@ previous final model and optimizer grown to the increment's new ids (pipeline.gr
 from __future__ import annotations
 
 import io
+import re
 from typing import Any
 
+import pyarrow.fs as pafs
 import torch
 
 import pipeline
@@ -16,15 +18,36 @@ PLAN_FILE = "plan.pkl"
 _SHAPE = ("hidden", "embedding_dim")  # train settings the model's shape depends on
 
 
+def run_folder(since: str) -> str:
+    """`since` itself when it is a run's folder; else `since` read as <output>/<name>: the newest finished run
+    of that name (<output>/<name>-<timestamp> with a metrics.json), so a daily job names yesterday's run by
+    its name (--run.name day-1, then --run.since runs/day-1)."""
+    fs, path = storage.filesystem(since)
+    if storage.exists(fs, f"{path}/metrics.json") or storage.exists(fs, f"{path}/{PLAN_FILE}"):
+        return since
+    parent, name = path.rsplit("/", 1) if "/" in path else (".", path)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(parent, allow_not_found=True))
+    except OSError:
+        infos = []
+    runs = sorted(i.path for i in infos if i.type == pafs.FileType.Directory
+                  and re.fullmatch(re.escape(name) + r"-\d{8}-\d{6}", i.base_name)
+                  and storage.exists(fs, f"{i.path}/metrics.json"))
+    return storage.to_uri(fs, runs[-1]) if runs else since
+
+
 def previous_run(since: str) -> dict[str, Any]:
-    """What a warm start needs of the run at `since`: its summary (metrics.json), its saved plan and the final
-    checkpoint's model state; refused in one paragraph when that run never finished."""
+    """What a warm start needs of the run at `since` (a run's folder, or <output>/<name> for the newest
+    finished run of that name): its summary (metrics.json), its saved plan and the final checkpoint's
+    model state; refused in one paragraph when that run never finished."""
+    since = run_folder(since)
     metrics_uri, plan_uri = storage.join(since, "metrics.json"), storage.join(since, PLAN_FILE)
     fs, path = storage.filesystem(metrics_uri)
     if not storage.exists(fs, path):
         raise PipelineError(f"run.since = '{since}' names no finished run: it has no metrics.json (a run writes it when "
-                            f"its last epoch is done). Name the folder of a run that finished (runs/<name>-<time>), or "
-                            f"resume that run first (run.resume)")
+                            f"its last epoch is done), and no finished run of that name is beside it ({since}-<time>). "
+                            f"Name the folder of a run that finished (runs/<name>-<time>, or runs/<name> for the newest), "
+                            f"or resume that run first (run.resume)")
     summary = storage.read_json(metrics_uri)
     if not summary.get("checkpoint") or summary.get("missing_epoch_metrics"):
         raise PipelineError(f"run.since = '{since}' did not finish cleanly (final checkpoint "
