@@ -417,6 +417,8 @@ def _prepare_since(path, since, world_size, config, use_ray, data) -> IngestPlan
         raise ConfigError(f"since= takes the previous IngestPlan or the URI it was saved to (plan.save), not "
                           f"{type(prev).__name__}")
     pinned = data.pop("version", None)  # the previous plan's pinned version is where this one starts, not ends
+    if pinned is None and config is not None:  # a config of this call's own (the job's) pins where this one ends
+        pinned = build_config(config, path).data.version or None
     cfg = build_config(config if config is not None else prev.config, path, **data,
                        settings={"data.version": pinned or ""})
     increments.same_settings(_fit_settings(cfg), _fit_settings(prev.config))
