@@ -353,9 +353,15 @@ def add_parser(sub, add_config_flags) -> None:
     p = sub.add_parser("bench", help="measure this loader against a per-row DataLoader, Ray Data and the memory limit "
                                      "(--mode loader), or preprocessing against a hand-written script (--mode preprocess)",
                        description=__doc__)
-    p.add_argument("--mode", choices=["loader", "preprocess"], default="loader",
-                   help="preprocess: see `pipeline/bench_preprocess.py` (fit + transform vs a single-process script)")
-    p.add_argument("--rows", type=int, default=None, help="default 2M (loader), 10M (preprocess; 2M for criteo)")
+    p.add_argument("--mode", choices=["loader", "preprocess", "increments"], default="loader",
+                   help="preprocess: see `pipeline/bench_preprocess.py` (fit + transform vs a single-process script); "
+                        "increments: see `pipeline/bench_increments.py` (the daily loop: the warm-started chain beside "
+                        "a full refit and retrain, and their AUC on the next day)")
+    p.add_argument("--days", type=int, default=7, help="increments: days of the daily table")
+    p.add_argument("--epochs", type=int, default=1, help="increments: epochs per day's training")
+    p.add_argument("--batch-size", type=int, default=1024, help="increments: training batch size")
+    p.add_argument("--rows", type=int, default=None, help="default 2M (loader), 10M (preprocess; 2M for criteo), 200k "
+                                                          "a day (increments)")
     p.add_argument("--dataset", choices=["demo", "criteo"], default="demo",
                    help="preprocess: the demo data and recipe, or Criteo-shaped data and the DLRM recipe")
     p.add_argument("--shards", type=int, default=32, help="preprocess: files the rows are written in")
@@ -384,6 +390,15 @@ def add_parser(sub, add_config_flags) -> None:
 
 
 def _cmd(cfg, args) -> int:
+    if args.mode == "increments":  # outputs under a run folder, never the repository root
+        from . import bench_increments
+
+        args.rows = args.rows or 200_000
+        if args.out == "bench.json":
+            args.out = os.path.join("runs", "bench-increments", "bench-increments.json")
+        if args.plot == "bench.png":
+            args.plot = os.path.join("runs", "bench-increments", "bench-increments.png")
+        return bench_increments.main(args)
     if args.mode == "preprocess":
         from . import bench_preprocess
 
