@@ -45,3 +45,20 @@ def test_preprocess_bench_on_criteo_shaped_data_says_the_fitted_states_size(tmp_
     p = json.loads(out.read_text())["best"]["project"]
     assert p["state_bytes"]["preprocessor.json"] > 0 and p["vocab_values"] > 0
     assert sum(r["rows"] for r in p["ranks"]) == 20_000
+
+
+def test_increments_bench_compares_the_chain_with_the_full_refit_day_by_day(tmp_path, capsys):
+    """bench --mode increments on 4 small days: each day's increment reads that day only, the full refit every
+    day so far; the three models are scored on the next day (figures only, no timing asserted)."""
+    out, png = tmp_path / "inc.json", tmp_path / "inc.png"
+    rc = cli.main(["bench", "--mode", "increments", "--days", "4", "--rows", "3000", "--data", str(tmp_path / "d"),
+                   "--out", str(out), "--plot", str(png)])
+    assert rc == 0
+    assert "AUC chain" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert [r["day"] for r in res["per_day"]] == [2, 3]
+    for r in res["per_day"]:
+        assert r["increment_rows"] == 3000 and r["full_rows"] == 3000 * r["day"]
+        assert all(0.0 <= r[f"{m}_auc"] <= 1.0 and r[f"{m}_logloss"] > 0 for m in ("chain", "full", "day_only"))
+        assert all(after >= before for before, after in r["growth"].values())
+    assert png.stat().st_size > 10_000
