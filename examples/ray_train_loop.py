@@ -8,6 +8,11 @@ A checkpoint every --checkpoint-every steps holds the model, the optimizer and t
 a worker lost mid-epoch (--fail-at-step makes rank 0 die once, to show it) resumes with exactly the
 batches an uninterrupted run would have seen. --trace writes each batch's row ids, to check that.
 
+Daily increments: --out DIR keeps the plan and the final model and optimizer there; the next day,
+--since DIR plans only the rows the table gained since that plan's version (`prepare(since=...)`: known
+ids never move) and starts from that model, each embedding grown to the new ids with
+`pipeline.grow_embedding(embedding, {column: growth}, optimizer)`: the known rows stay as they were.
+
 Elastic: --workers 1:4 runs Ray Train's elastic training (Ray 2.60+): when nodes are lost the group
 restarts on fewer workers from the last checkpoint, and grows again when capacity comes back. The
 loader state holds no rank count, so `rank_data(plan, resume=state)` deals the rest of the epoch over
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import tempfile
 
 import ray
@@ -32,12 +38,12 @@ import pipeline
 
 
 class Model(nn.Module):
-    """Any model: here standardised features + summed category embeddings -> MLP -> one logit."""
+    """Any model: here standardised features + summed category embeddings (one table per column) -> MLP."""
 
-    def __init__(self, fitted: pipeline.FittedPreprocessor, dim: int = 8):
+    def __init__(self, num_features: int, cardinalities: tuple[int, ...], dim: int = 8):
         super().__init__()
-        self.embeddings = nn.ModuleList(nn.Embedding(n, dim) for n in fitted.cardinalities)
-        self.mlp = nn.Sequential(nn.Linear(fitted.num_features + dim, 64), nn.ReLU(), nn.Linear(64, 1))
+        self.embeddings = nn.ModuleList(nn.Embedding(n, dim) for n in cardinalities)
+        self.mlp = nn.Sequential(nn.Linear(num_features + dim, 64), nn.ReLU(), nn.Linear(64, 1))
 
     def forward(self, x_num, x_cat):
         emb = sum(e(x_cat[:, j]) for j, e in enumerate(self.embeddings))
@@ -56,8 +62,20 @@ def loop(config: dict) -> None:
                               resume=state["loader"] if state else None)
     loader = data.loader
     torch.manual_seed(0)
-    model = prepare_model(Model(data.fitted))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    f, warm = data.fitted, config["warm"]
+    if warm and not state:  # day k: yesterday's final model and optimizer, each table grown to today's ids
+        before = {c: b for c, (b, _) in warm["growth"].items()}
+        model = Model(f.num_features, tuple(before[c] for c in f.categorical))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        saved = torch.load(warm["model"], weights_only=False)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        for c, table in zip(f.categorical, model.embeddings):  # before DDP, which fixes the parameters' sizes
+            pipeline.grow_embedding(table, {c: warm["growth"][c]}, optimizer, generator=torch.Generator().manual_seed(0))
+        model = prepare_model(model)
+    else:
+        model = prepare_model(Model(f.num_features, f.cardinalities))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     if state:
         model.module.load_state_dict(state["model"]) if hasattr(model, "module") else model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -106,6 +124,8 @@ def main() -> None:
     p.add_argument("--fail-at-step", type=int, default=0)
     p.add_argument("--trace", default="")
     p.add_argument("--storage", default=os.path.abspath("runs"))
+    p.add_argument("--out", default="", help="a folder: the plan and the final model and optimizer are kept there")
+    p.add_argument("--since", default="", help="an earlier run's --out: train on the rows gained since, from its model")
     args = p.parse_args()
 
     workers = tuple(int(w) for w in args.workers.split(":")) if ":" in args.workers else int(args.workers)
@@ -118,12 +138,25 @@ def main() -> None:
     else:  # every worker's State API is this Ray's, never another on the machine (docs/api.md)
         ray.init(address="local", num_cpus=max(4, most + 2),
                  runtime_env={"worker_process_setup_hook": "pipeline.runtime.setup_worker"})
-    plan = pipeline.prepare(args.data, label=args.label, world_size=most)  # rank_data re-plans for fewer
+    warm = None
+    if args.since:  # only what the table gained after the previous plan's version; its ids kept
+        previous = pipeline.IngestPlan.load(os.path.join(args.since, "plan.pkl"))
+        plan = pipeline.prepare(args.data, label=args.label, world_size=most, since=previous)
+        warm = {"model": os.path.join(os.path.abspath(args.since), "model.pt"), "growth": plan.fitted.growth(previous.fitted)}
+    else:
+        plan = pipeline.prepare(args.data, label=args.label, world_size=most)  # rank_data re-plans for fewer
     print("\n".join(plan.describe()))
+    if plan.empty:  # nothing new: the previous model stands; the plan still moves the next --since on
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            plan.save(os.path.join(args.out, "plan.pkl"))
+            shutil.copy(warm["model"], os.path.join(args.out, "model.pt"))
+        return
     trainer = TorchTrainer(
         loop,
         train_loop_config={"plan": plan, "batch_size": args.batch_size, "seed": args.seed, "epochs": args.epochs,
-                           "every": args.checkpoint_every, "fail_at_step": args.fail_at_step, "trace": args.trace},
+                           "every": args.checkpoint_every, "fail_at_step": args.fail_at_step, "trace": args.trace,
+                           "warm": warm},
         scaling_config=ScalingConfig(num_workers=workers),
         run_config=RunConfig(storage_path=args.storage, checkpoint_config=CheckpointConfig(num_to_keep=2),
                              failure_config=FailureConfig(max_failures=2)),
@@ -131,6 +164,11 @@ def main() -> None:
     )
     result = trainer.fit()
     print(f"done: {result.metrics}")
+    if args.out:  # what the next day's --since starts from
+        os.makedirs(args.out, exist_ok=True)
+        plan.save(os.path.join(args.out, "plan.pkl"))
+        with result.checkpoint.as_directory() as d:
+            shutil.copy(os.path.join(d, "state.pt"), os.path.join(args.out, "model.pt"))
 
 
 if __name__ == "__main__":

@@ -4,11 +4,14 @@ The public names (everything a training loop needs; nothing else has to be impor
 
 - `prepare(path, label=..., world_size=...)` -> `IngestPlan`: validate, fit in one pass, plan every
   rank's share. `plan.trainer_kwargs()` gives TorchTrainer its datasets and DataConfig.
+  `prepare(path, since=previous_plan)`: only the rows gained since, the previous fit extended (ids kept).
 - `rank_data(plan, batch_size=...)` -> `RankData`: this rank's `train`/`val` rows and a `loader` of
   `Batch`es (Ray Train, torchrun or a single process).
 - `FittedPreprocessor` (serving, no Ray, no torch): `.load(path).transform(df)` -> `Transformed`.
 - `TabularDataset`, `BatchSampler`, `DeviceLoader`, `WorkerLoader`: the torch side, usable alone.
 - `load_config` -> `Config`; `PipelineError`, `ConfigError`, `DataError`, `NoUsableRows`, `StallError`.
+- `grow_embedding(module, fitted.growth(previous), optimizer)`: a warm start's embedding table (and its
+  optimizer state) grown to an increment's new ids, the known rows kept bit for bit.
 - `StepStats`, `timed(loader, stats)`: a loop's data-wait share and rows/s, as the built-in job prints them.
 - `pipeline.storage`: local paths and `s3://`/`gs://` URIs through pyarrow filesystems (join, read/write
   JSON and text), as the job uses them for its run folder.
@@ -18,14 +21,14 @@ Names are imported lazily so that a Ray task importing one module does not pay f
 
 __all__ = ["Batch", "BatchSampler", "Config", "ConfigError", "DataError", "DeviceLoader", "FittedPreprocessor",
            "IngestPlan", "NoUsableRows", "PipelineError", "RankData", "StallError", "StepStats", "TabularDataset",
-           "Transformed", "WorkerLoader", "load_config", "prepare", "rank_context", "rank_data", "storage", "timed"]
+           "Transformed", "WorkerLoader", "grow_embedding", "load_config", "prepare", "rank_context", "rank_data", "storage", "timed"]
 
 _WHERE = {
     "Batch": "dataset", "TabularDataset": "dataset", "BatchSampler": "sampler", "DeviceLoader": "loader",
     "WorkerLoader": "loader", "FittedPreprocessor": "preprocess", "Transformed": "preprocess", "IngestPlan": "ingest",
     "RankData": "ingest", "prepare": "ingest", "rank_data": "ingest", "rank_context": "ingest",
     "PipelineError": "errors", "ConfigError": "errors", "DataError": "errors", "NoUsableRows": "errors",
-    "StallError": "errors", "Config": "config", "StepStats": "metrics", "timed": "metrics",
+    "StallError": "errors", "Config": "config", "StepStats": "metrics", "timed": "metrics", "grow_embedding": "grow",
 }
 
 

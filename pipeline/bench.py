@@ -362,10 +362,16 @@ def add_parser(sub, add_config_flags) -> None:
     p = sub.add_parser("bench", help="measure this loader against a per-row DataLoader, Ray Data and the memory limit "
                                      "(--mode loader), or preprocessing against a hand-written script (--mode preprocess)",
                        description=__doc__)
-    p.add_argument("--mode", choices=["loader", "preprocess"], default="loader",
-                   help="preprocess: see `pipeline/bench_preprocess.py` (fit + transform vs a single-process script)")
-    p.add_argument("--rows", default=None, help="default 2M (loader), 10M (preprocess demo; criteo: 2M and 10M); "
-                                               "preprocess: several, comma-separated, are measured side by side")
+    p.add_argument("--mode", choices=["loader", "preprocess", "increments"], default="loader",
+                   help="preprocess: see `pipeline/bench_preprocess.py` (fit + transform vs a single-process script); "
+                        "increments: see `pipeline/bench_increments.py` (the daily loop: the warm-started chain beside "
+                        "a full refit and retrain, and their AUC on the next day)")
+    p.add_argument("--days", type=int, default=7, help="increments: days of the daily table")
+    p.add_argument("--epochs", type=int, default=1, help="increments: epochs per day's training")
+    p.add_argument("--batch-size", type=int, default=1024, help="increments: training batch size")
+    p.add_argument("--rows", default=None, help="default 2M (loader), 10M (preprocess demo; criteo: 2M and 10M), 200k "
+                                               "a day (increments); preprocess: several, comma-separated, are measured "
+                                               "side by side")
     p.add_argument("--dataset", default="demo", type=_datasets,
                    help="preprocess: demo (the demo data and recipe), criteo (Criteo-shaped data and the DLRM "
                         "recipe), or both comma-separated (demo,criteo: every case side by side in one run)")
@@ -396,6 +402,15 @@ def add_parser(sub, add_config_flags) -> None:
 
 
 def _cmd(cfg, args) -> int:
+    if args.mode == "increments":  # outputs under a run folder, never the repository root
+        from . import bench_increments
+
+        args.rows = int(args.rows) if args.rows else 200_000
+        if args.out == "bench.json":
+            args.out = os.path.join("runs", "bench-increments", "bench-increments.json")
+        if args.plot == "bench.png":
+            args.plot = os.path.join("runs", "bench-increments", "bench-increments.png")
+        return bench_increments.main(args)
     if args.mode == "preprocess":
         from . import bench_preprocess
 

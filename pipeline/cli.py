@@ -44,6 +44,12 @@ def cmd_generate(cfg: config_mod.Config, args) -> int:
 
     g = cfg.generate
     t0 = time.perf_counter()
+    if g.days:
+        added = demo.generate_daily(cfg.data.path, g.days, g.rows, g.seed, overwrite=args.overwrite)
+        print(f"[generate] the daily Delta table at {cfg.data.path} holds days 1..{g.days} ({g.rows:,} rows a day): "
+              f"{'appended days ' + ', '.join(map(str, added)) if added else 'nothing to append'} "
+              f"({time.perf_counter() - t0:.1f}s)")
+        return 0
     write = demo.generate_criteo if g.dataset == "criteo" else demo.generate
     paths = write(cfg.data.path, g.rows, g.shards, g.seed, overwrite=args.overwrite)
     print(f"[generate] {len(paths)} shards at {cfg.data.path} ({time.perf_counter() - t0:.1f}s; "

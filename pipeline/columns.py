@@ -25,6 +25,8 @@ def family(t: pa.DataType) -> str:
     """The type family that decides what a column can be used as."""
     if pa.types.is_dictionary(t):
         t = t.value_type
+    if isinstance(t, pa.BaseExtensionType):  # arrow.uuid (Iceberg's uuid, Parquet's UUID): its storage's family
+        return family(t.storage_type)
     if pa.types.is_boolean(t):
         return "bool"
     if pa.types.is_integer(t):
@@ -124,6 +126,8 @@ def as_string(col: pa.ChunkedArray | pa.Array) -> pa.Array:
     col = decoded(_combined(col))
     if pa.types.is_string(col.type):
         return col
+    if is_uuid(col.type):
+        return uuid_text(col)
     if pa.types.is_floating(col.type):  # 3.0 and 3 are one class; "3.0" would be another
         as_int = pc.cast(col, pa.int64(), safe=False)
         whole = pc.equal(pc.cast(as_int, col.type), col)
@@ -137,6 +141,26 @@ def as_string(col: pa.ChunkedArray | pa.Array) -> pa.Array:
                             "they cannot be vocabulary entries; decode or hash it upstream, or pass it through "
                             "(data.passthrough)") from None
     return pc.cast(col, pa.string())
+
+
+def is_uuid(t: pa.DataType) -> bool:
+    return isinstance(t, pa.BaseExtensionType) and t.extension_name == "arrow.uuid"
+
+
+_HEX = np.frombuffer(b"0123456789abcdef", np.uint8)
+_UUID_DIGITS = [i for i in range(36) if i not in (8, 13, 18, 23)]
+
+
+def uuid_text(a: pa.Array) -> pa.Array:
+    """A uuid column as its canonical text (8-4-4-4-12 lowercase hex, as str(uuid.UUID) and every engine print
+    it): the vocabulary's values are what a user reads and serves, never 16 raw bytes. Vectorised."""
+    s = a.storage
+    n = len(s)
+    raw = np.frombuffer(s.buffers()[1], np.uint8)[s.offset * 16:(s.offset + n) * 16].reshape(n, 16)
+    out = np.full((n, 36), ord("-"), np.uint8)
+    out[:, _UUID_DIGITS] = np.stack([_HEX[raw >> 4], _HEX[raw & 15]], axis=2).reshape(n, 32)
+    text = pa.FixedSizeBinaryArray.from_buffers(pa.binary(36), n, [None, pa.py_buffer(out.tobytes())]).cast(pa.string())
+    return pc.if_else(s.is_valid(), text, pa.scalar(None, pa.string())) if s.null_count else text
 
 
 def category_ids(col: pa.ChunkedArray | pa.Array, vocab) -> np.ndarray:

@@ -86,9 +86,13 @@ class GenerateSection(_Section):
     dataset: Literal["demo", "criteo"] = Field("demo", description="demo: the embedded demo dataset; criteo: "
                                                "click-through-rate data shaped like Criteo Kaggle (13 counts, 26 "
                                                "hashed categoricals with its cardinalities, a binary label)")
-    rows: int = Field(2_000_000, ge=1, description="rows in the demo dataset")
+    rows: int = Field(2_000_000, ge=1, description="rows in the demo dataset (with days: rows per day)")
     shards: int = Field(16, ge=1, description="Parquet files the demo dataset is split into")
     seed: int = 0
+    days: int = Field(0, ge=0, description="N > 0: the daily table instead, a Delta table at data.path with one commit "
+                                           "per day 1..N (click-through-rate events whose users and items drift; "
+                                           "the days it already holds are kept, so each call appends the missing "
+                                           "ones, as a production table gains a day each morning)")
 
 
 class ColumnTransform(_Section):
@@ -128,6 +132,9 @@ class PreprocessSection(_Section):
                             "process holds every distinct value; \"auto\" is one per 4M rows (1 to 64). It lays "
                             "out the vocabularies in parts; the ids are the same whatever it is")
     missing_indicator: bool = Field(True, description="add a 0/1 column per numeric feature that had nulls")
+    refit_numeric: bool = Field(False, description="prepare(since=...): merge the increment into the numeric "
+                                                   "statistics (false: keep the previous fit's scaling, as a warm-started "
+                                                   "model saw it)")
     standardize_target: bool = Field(True, description="regression targets: train on (y - mean) / std; "
                                                         "FittedPreprocessor.inverse_target undoes it")
     function: str = Field("", description="your own vectorised function, 'package.module:function', pyarrow Table -> "
@@ -236,6 +243,9 @@ class RunSection(_Section):
     output: str = Field("runs", description="directory or URI for checkpoints, fitted preprocessor and metrics")
     name: str = Field("demo", pattern=r"^[A-Za-z0-9_.-]+$", description="run folder is <output>/<name>-<timestamp>")
     resume: bool = Field(False, description="use <output>/<name> exactly and continue from its last checkpoint")
+    since: str = Field("", description="a previous run's folder or URI: train on the rows the table gained since that "
+                                       "run's version only, its fit extended (known ids kept), warm-started from its final "
+                                       "model and optimizer (docs/continuous.md)")
     ray_address: str = Field("", description="'' starts a local Ray; 'auto' or ray://host:port joins a cluster")
     num_cpus: int = Field(0, ge=0, description="CPUs of the local Ray (0: max(cores, workers + 2))")
     dashboard: bool = Field(False, description="start Ray's dashboard (http://127.0.0.1:8265, its State API, job and "

@@ -292,9 +292,11 @@ def _bucket_share(c: Column, parts: list, rows: int) -> dict[str, float]:
 
 
 def in_process(categories: dict[str, list[pa.Table]], columns: Sequence[Column],
-               partitions: int, threads: int | None = None) -> tuple[list[dict], list[dict], list[dict]]:
+               partitions: int, threads: int | None = None, keep: bool = False) -> tuple:
     """(parts, first, second): parts[q] is range q's part of every vocabulary (finalize's part); first
-    and second: reduce_counts's and finalize's summaries, per range.
+    and second: reduce_counts's and finalize's summaries, per range. keep: a fourth item, every value's
+    count of the vocabulary columns as range q's {column: {h, n, v}} (prepare(since=)'s history: the values
+    below the threshold too, so every value is hashed).
 
     One process needs less than the cluster's map, reduce and finalize: each column's count tables are
     merged once (one group-by), so a range's slice of them is already its merged table (no second
@@ -308,7 +310,8 @@ def in_process(categories: dict[str, list[pa.Table]], columns: Sequence[Column],
         from .columns import count_merge
 
         t = count_merge(categories.get(c.name, []))
-        if partitions == 1 and c.counted and not c.buckets_of_rest and c.min_count > 1:
+        every: list = [None] * partitions
+        if partitions == 1 and c.counted and not c.buckets_of_rest and c.min_count > 1 and not keep:
             # one range and a threshold: only the values kept are hashed (on Criteo-shaped data about one
             # in five); the summary is _reduced's
             s: dict[str, Any] = {"distinct": t.num_rows, "rows": int(pc.sum(t["n"]).as_py() or 0)}
@@ -317,11 +320,12 @@ def in_process(categories: dict[str, list[pa.Table]], columns: Sequence[Column],
             first, merged = [s], [kept]
         else:
             t = keyed(t, c.counted)
-            first, merged = map(list, zip(*(_reduced(r, c) for r in ([t] if partitions == 1 else _ranges(t, partitions)))))
+            every = [t] if partitions == 1 else _ranges(t, partitions)
+            first, merged = map(list, zip(*(_reduced(r, c) for r in every)))
         firsts = [{c.name: f} for f in first]
         second, parts = map(list, zip(*(finalize({c.name: m} if m is not None else {}, k, [c])
                                         for m, k in zip(merged, cuts(firsts, [c])))))
-        return firsts, second, parts
+        return firsts, second, parts, every
 
     n = max(1, min(len(columns), threads or os.cpu_count() or 1))
     with ThreadPoolExecutor(n) as pool:
@@ -329,12 +333,15 @@ def in_process(categories: dict[str, list[pa.Table]], columns: Sequence[Column],
     first: list[dict] = [{} for _ in range(partitions)]
     second: list[dict] = [{} for _ in range(partitions)]
     parts: list[dict] = [{} for _ in range(partitions)]
-    for f, s, p in done:  # in column order, as reduce_counts and finalize build their dicts
+    kept: list[dict] = [{} for _ in range(partitions)]
+    for c, (f, s, p, every) in zip(columns, done):  # in column order, as reduce_counts and finalize build their dicts
         for q in range(partitions):
             first[q].update(f[q])
             second[q].update(s[q])
             parts[q].update(p[q])
-    return parts, first, second
+            if keep and c.counted:
+                kept[q][c.name] = every[q]
+    return (parts, first, second, kept) if keep else (parts, first, second)
 
 
 def _ranges(t: pa.Table, partitions: int) -> list[pa.Table]:

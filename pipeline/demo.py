@@ -140,3 +140,90 @@ def generate(uri: str, rows: int, shards: int, seed: int = 0, overwrite: bool = 
     with fs.open_output_stream(marker) as out:
         out.write(stamp)
     return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# The daily table: click-through-rate events, one Delta commit per day, with categories that drift
+
+DAILY_NUMERIC = ("position", "price", "hour", "user_age_days")
+DAILY_CATEGORICAL = ("user", "item", "site", "device")
+_DAILY_VERSION = "pipeline-daily/1"
+_FADE = 0.55  # share of a day's users (items: its square root) drawn from that day's cohort; older cohorts fade
+
+
+def _effect(ids: np.ndarray, salt: int, scale: float) -> np.ndarray:
+    """A value's lasting effect on the click rate, the same every day it appears (a warm-started model keeps
+    what it learnt of it): a hash of its id, centred."""
+    return (((ids.astype(np.uint64) * np.uint64(2654435761) + np.uint64(salt)) % np.uint64(1009)).astype(np.float64)
+            / 1009.0 - 0.5) * scale
+
+
+def _cohorts(rng: np.random.Generator, day: int, rows: int, fade: float) -> np.ndarray:
+    """The day (1..day) each row's value was first seen: today's cohort with probability `fade`, yesterday's
+    with fade*(1-fade), ...: new users and items every day, old ones fading."""
+    back = np.minimum(rng.geometric(fade, rows) - 1, day - 1)
+    return day - back
+
+
+def _daily_rows(day: int, rows: int, seed: int) -> pa.Table:
+    rng = np.random.default_rng([seed, day, 31])
+    per_user, per_item = max(500, rows // 8), max(100, rows // 80)  # values a cohort brings
+    cols: dict[str, pa.Array] = {}
+    users_day = _cohorts(rng, day, rows, _FADE)
+    users = users_day * per_user + np.minimum(rng.zipf(1.4, rows) - 1, per_user - 1)
+    items_day = _cohorts(rng, day, rows, np.sqrt(_FADE))
+    items = items_day * per_item + np.minimum(rng.zipf(1.3, rows) - 1, per_item - 1)
+    sites = np.minimum(rng.zipf(1.5, rows) - 1, 49)
+    devices = rng.choice(4, rows, p=[0.55, 0.3, 0.1, 0.05])
+    position = rng.integers(1, 11, rows)
+    price = np.round(rng.lognormal(3.0, 0.8, rows), 2)
+    hour = rng.integers(0, 24, rows)
+    logit = (-1.2 + _effect(users, 1, 2.4) + _effect(items, 2, 2.0) + _effect(sites, 3, 1.0)
+             + np.array([0.2, 0.0, -0.3, 0.4])[devices] - 0.12 * position - 0.25 * np.log(price / 20.0)
+             + 0.3 * np.sin(hour * np.pi / 12))
+    cols["day"] = pa.array(np.full(rows, day, np.int32))
+    cols["position"] = pa.array(position.astype(np.int32))
+    cols["price"] = pa.array(price, mask=rng.random(rows) < 0.02)
+    cols["hour"] = pa.array(hour.astype(np.int32))
+    cols["user_age_days"] = pa.array((day - users_day).astype(np.int32))
+    cols["user"] = pa.array(np.char.add("u", users.astype(str)).astype(object), pa.string())
+    cols["item"] = pa.array(np.char.add("i", items.astype(str)).astype(object), pa.string())
+    cols["site"] = pa.array(np.char.add("s", sites.astype(str)).astype(object), pa.string())
+    cols["device"] = pa.array(np.array(["mobile", "desktop", "tablet", "tv"], dtype=object)[devices], pa.string())
+    cols["clicked"] = pa.array((rng.random(rows) < 1.0 / (1.0 + np.exp(-logit))).astype(np.int8))
+    return pa.table(cols)
+
+
+def generate_daily(uri: str, days: int, rows_per_day: int, seed: int = 0, overwrite: bool = False) -> list[int]:
+    """A Delta table at `uri` with one commit per day (days 1..`days`), click-through-rate shaped (a `clicked`
+    label from lasting user, item and site effects, position, price and hour) with categories that drift: every
+    day brings new users and items, older ones fade. Days already in the table are kept (a table written with
+    other settings is refused, or written anew with overwrite): each call appends the days it lacks, as a
+    production table gains a day each morning. Returns the days appended."""
+    try:
+        from deltalake import DeltaTable, write_deltalake
+    except ImportError:
+        from .errors import DataError
+
+        raise DataError("the daily table is a Delta Lake table; writing it needs the deltalake package: pip install "
+                        "'parquet-ray-pipeline[delta]' (or pip install deltalake)") from None
+    from .errors import DataError
+
+    stamp = f"{_DAILY_VERSION} rows_per_day={rows_per_day} seed={seed}"
+    fs, root = storage.filesystem(uri)
+    have = 0
+    if storage.exists(fs, f"{root}/_delta_log"):
+        table = DeltaTable(uri)
+        if (table.metadata().description or "") != stamp:
+            if not overwrite:
+                raise DataError(f"'{uri}' holds a Delta table written with other settings ({table.metadata().description!r}, "
+                                f"this is {stamp!r}); pass --overwrite to write it anew, or point data.path elsewhere")
+        else:
+            have = table.version() + 1  # one commit per day, day 1 at version 0
+    if overwrite and have == 0 and storage.exists(fs, root):
+        fs.delete_dir_contents(root)
+    added = []
+    for day in tqdm(range(have + 1, days + 1), desc=f"generate {rows_per_day:,} rows a day", unit="day"):
+        write_deltalake(uri, _daily_rows(day, rows_per_day, seed), mode="append", description=stamp, name="daily")
+        added.append(day)
+    return added

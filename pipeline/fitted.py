@@ -7,7 +7,7 @@ state with both. No Ray, no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -138,6 +138,9 @@ class FittedState:
     categorical_ops: tuple[CategoricalOp, ...] = ()
     function: str = ""  # preprocess.function, run on the input before anything else (serving too)
     clips: tuple[tuple[float, ...], ...] = ()  # per feature slot: clip_quantiles' fitted (low, high); empty: none
+    # Every category count seen (history.CountHistory), below the thresholds too: what prepare(since=...)
+    # extends. None: a fit that did not keep them (on a Ray cluster); the first increment then recounts.
+    history: Any = field(default=None, compare=False)
 
     def __post_init__(self):
         if not all(isinstance(v, (Vocabulary, PartedVocabulary)) for v in self.vocab):

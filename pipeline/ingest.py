@@ -40,6 +40,7 @@ from .preprocess import FittedPreprocessor, coverage_lines, shuffle_columns
 from .quality import Accounting
 from .source import Source, inspect, list_reasons
 from .tasks import ReadSpec, merge_fit
+from .vocab_parts import keep_beyond_session
 
 _PLAN_FORMAT = "pipeline.IngestPlan/1"
 _SECTIONS = ("data", "quality", "preprocess")  # where prepare()'s keyword arguments are looked up
@@ -59,6 +60,13 @@ class IngestPlan:
     train_shares: list[list[Piece]]
     val_shares: list[list[Piece]]
     timings: dict[str, float] = field(default_factory=dict)
+    increment: Any = None  # increments.Range: the rows gained after a previous plan's version (prepare(since=...))
+
+    @property
+    def empty(self) -> bool:
+        """No rows to train on: an increment with nothing new after the previous plan's version. Test it
+        before rank_data (which refuses an empty plan); its `increment` still moves the next since= on."""
+        return self.train_rows == 0 and not sum(self.val_sizes)
 
     @property
     def spec(self) -> ReadSpec:
@@ -122,10 +130,17 @@ class IngestPlan:
     def describe(self) -> list[str]:
         """The lines a job prints about the plan."""
         t = self.timings
+        inc = f"; {self.increment.describe()} ({self.increment.how})" if self.increment is not None else ""
+        if self.empty:
+            r = self.increment
+            if r is None:
+                return ["[fit] an empty plan (plan.empty), nothing to train"]
+            return [f"[fit] nothing new after version {r.after} in {r.name} (read up to version {r.upto}): an empty "
+                    f"plan (plan.empty), nothing to train"] + [f"[fit] {n}" for n in r.notes]
         kinds = ", ".join(f"'{x.name}' {x.kind}" + (f" ({x.num_classes} classes)" if x.num_classes > 2 else "")
                           for x in self.fitted.targets) or "none (unlabelled)"
         return [f"[fit] {len(self.source.shards)} shards, {self.source.num_rows:,} rows, {len(self.source.fragments)} "
-                f"row groups {self.source.where}; {self.source.describe_columns()}",
+                f"row groups {self.source.where}{inc}; {self.source.describe_columns()}",
                 f"[fit] one pass in {t.get('fit_s', 0):.1f}s ({t.get('fit_on', '?')}): {self.fitted.num_features} "
                 f"numeric features, vocab sizes {dict(zip(self.fitted.categorical, (len(v) for v in self.fitted.vocab)))}; "
                 f"targets: {kinds}",
@@ -133,7 +148,8 @@ class IngestPlan:
                 f"[plan] training rows per rank {self.train_sizes}, validation rows per rank {self.val_sizes}, from "
                 f"{[len(self.pieces(r)) for r in range(self.world_size)]} row-group pieces"] + \
             coverage_lines(self.fitted, self.config.preprocess.vocab_max_size, self.config.preprocess.vocab_min_count) + \
-            [f"[columns] {note}" for note in self.source.conversions(self.fitted.stats)]
+            [f"[columns] {note}" for note in self.source.conversions(self.fitted.stats)] + \
+            [f"[fit] {n}" for n in (self.increment.notes if self.increment is not None else ())]
 
     def save_fit(self, uri: str) -> None:
         """The fit pass's result, for `prepare(fit_from=uri)` (run.fit_from): the fitted preprocessor, the
@@ -153,6 +169,9 @@ class IngestPlan:
 
         uri = os.path.abspath(uri) if storage.is_local(uri) else uri
         fitted = fitted_io.on_files(self.fitted, uri)  # no object refs
+        if fitted.history is not None and fitted.history.partitions:  # the counts as files too, not in the pickle
+            fitted = replace(fitted, history=fitted.history.on_files(
+                f"{uri.rsplit('/', 1)[0]}/counts-{fitted.history.digest}" if "/" in uri else f"counts-{fitted.history.digest}"))
         fs, path = storage.filesystem(uri)
         with fs.open_output_stream(path) as out:
             out.write(pickle.dumps((_PLAN_FORMAT, replace(self, fitted=fitted))))
@@ -191,6 +210,7 @@ def _fit_settings(cfg: Config) -> dict[str, Any]:
     d = cfg.to_dict()
     out = {k: d[k] for k in ("data", "quality", "preprocess")}
     out["data"] = {k: v for k, v in out["data"].items() if k != "version"}  # the table's version read is checked itself
+    out["preprocess"] = {k: v for k, v in out["preprocess"].items() if k != "refit_numeric"}  # increments only
     return out
 
 
@@ -303,7 +323,7 @@ def shuffle_memory(shuffled: tuple) -> dict[str, int]:
 
 def prepare(path: str | None = None, *, world_size: int | None = None, config: Config | str | Path | None = None,
             fitted: FittedPreprocessor | str | None = None, fit_from: str | None = None, use_ray: bool | None = None,
-            **data: Any) -> IngestPlan:
+            since: "IngestPlan | str | None" = None, **data: Any) -> IngestPlan:
     """Validate the shards, fit the preprocessing in one pass, and plan every rank's share.
 
     path: a directory or URI of Parquet shards (or data.path of `config`). Describe the data with
@@ -313,7 +333,17 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
     world size, else $WORLD_SIZE, else 1). fitted: a FittedPreprocessor (or its JSON path) to use
     instead of the one this pass fits, e.g. when resuming. fit_from: a fit.json (IngestPlan.save_fit)
     to reuse instead of the fit pass, refused in one paragraph when the files or the data, quality or
-    preprocess settings changed since. use_ray: run the fit pass on Ray (default: when Ray is initialised)."""
+    preprocess settings changed since. use_ray: run the fit pass on Ray (default: when Ray is initialised).
+
+    since: a previous IngestPlan (or the URI it was saved to with plan.save): plan only the rows the
+    source gained after that plan's version, and extend its fitted state (known ids never move; see
+    docs/continuous.md). Its settings are the previous plan's unless given (and then must equal them).
+    Nothing new gives an empty plan: test `plan.empty`."""
+    if since is not None:
+        if fitted is not None or fit_from:
+            raise ConfigError("since= extends the previous plan's fitted state; it takes no fitted= or fit_from= (leave "
+                              "them out, or prepare without since= to use them)")
+        return _prepare_since(path, since, world_size, config, use_ray, data)
     cfg = build_config(config, path, **data)
     world = world_size or _default_world()
     t0 = time.perf_counter()
@@ -327,7 +357,7 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
     t1 = time.perf_counter()
     reuse = fit_from or cfg.run.fit_from
     saved = load_fit(reuse, cfg, src) if reuse else None
-    shuffled, partitions = None, 1
+    shuffled, partitions, kept, here = None, 1, None, None
     if saved is not None:
         fitted, acct = fitted or saved[0], saved[1]
         on_ray, fit_s = False, 0.0
@@ -342,6 +372,11 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
         else:
             records, shuffled = side.fit_records(src, spec, cfg.run.stall_timeout_s), None
         total, acct = merge_fit(records, src)
+        if shuffled is None and fitted is None:  # the shuffle here, every count kept for prepare(since=...)
+            from .history import CountHistory
+
+            here, kept = CountHistory.fit(total.categories, shuffle_columns(src.columns, p.vocab_max_size,
+                                                                            p.vocab_min_count), partitions, total.rows)
         fit_s = time.perf_counter() - t1
         total_rows = total.rows
     if total_rows == 0:
@@ -351,10 +386,12 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
     p = cfg.preprocess
     if isinstance(fitted, str):
         fitted = FittedPreprocessor.load(fitted)
-    fitted = fitted or FittedPreprocessor.from_stats(total, src.columns, max_size=p.vocab_max_size,
-                                                     min_count=p.vocab_min_count, missing_indicator=p.missing_indicator,
-                                                     standardize_target=p.standardize_target,
-                                                     partitions=partitions, shuffled=shuffled)
+    fitted = fitted or replace(FittedPreprocessor.from_stats(total, src.columns, max_size=p.vocab_max_size,
+                                                             min_count=p.vocab_min_count,
+                                                             missing_indicator=p.missing_indicator,
+                                                             standardize_target=p.standardize_target,
+                                                             partitions=partitions, shuffled=shuffled or here),
+                               history=kept)
     if saved is None:
         fit_s = time.perf_counter() - t1  # the vocabularies' cut and parts included
     plan = IngestPlan(cfg, src, fitted, acct, world, **_shares(src, acct, world, cfg.train.shuffle == "global"),
@@ -363,10 +400,88 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
                                **({"shuffle": shuffle_memory(shuffled)} if shuffled else {})})
     if _ray_ready():
         fitted.shared()  # tasks and training workers get the vocabularies from the object store, not pickled in
+        keep_beyond_session(fitted.vocab, fitted.vocab_digest)  # the plan still saves and serves after ray.shutdown()
     if min(plan.train_sizes) == 0:
         raise DataError(f"{world} ranks but only {plan.train_rows:,} training rows: ranks "
                         f"{[r for r, n in enumerate(plan.train_sizes) if n == 0]} would get none; use fewer ranks")
     return plan
+
+
+def _prepare_since(path, since, world_size, config, use_ray, data) -> IngestPlan:
+    """prepare(since=...): the rows the source gained after the previous plan's version (increments.py),
+    fitted by extending the previous fitted state (history.py), planned like any other rows."""
+    from . import history, increments
+
+    prev = IngestPlan.load(since) if isinstance(since, (str, Path)) else since
+    if not isinstance(prev, IngestPlan):
+        raise ConfigError(f"since= takes the previous IngestPlan or the URI it was saved to (plan.save), not "
+                          f"{type(prev).__name__}")
+    pinned = data.pop("version", None)  # the previous plan's pinned version is where this one starts, not ends
+    if pinned is None and config is not None:  # a config of this call's own (the job's) pins where this one ends
+        pinned = build_config(config, path).data.version or None
+    cfg = build_config(config if config is not None else prev.config, path, **data,
+                       settings={"data.version": pinned or ""})
+    increments.same_settings(_fit_settings(cfg), _fit_settings(prev.config))
+    cols = prev.source.columns
+    if prev.source.inferred is not None:  # the features stay the previous fit's, whatever the table adds
+        cfg = build_config(cfg, settings={"data.numeric": list(cols.numeric), "data.categorical": list(cols.categorical)})
+    world = world_size or _default_world()
+    t0 = time.perf_counter()
+    table, paths, rng = increments.gained(cfg, prev)
+    dist = _torch_dist()
+    if table is not None and not pinned and dist is not None and dist.get_world_size() > 1:
+        ends = [None] * dist.get_world_size()  # every process reads up to rank 0's version, as agreed_version does
+        dist.all_gather_object(ends, rng.upto)
+        if ends[dist.get_rank()] != ends[0]:
+            cfg = build_config(cfg, settings={"data.version": ends[0]})
+            table, paths, rng = increments.gained(cfg, prev)
+    if not paths and (table is None or not table.files):
+        return IngestPlan(cfg, Source(cfg.data.path, (), (), columns=cols, table=table), prev.fitted, Accounting(),
+                          world, [[] for _ in range(world)], [[] for _ in range(world)],
+                          timings={"validate_s": time.perf_counter() - t0, "fit_s": 0.0, "planned_at": time.time(),
+                                   "fit_on": "nothing to fit"}, increment=rng)
+    if table is not None and not paths:
+        src = inspect(cfg, table=table)
+    else:  # new files of a folder, or the change data feed's rows written beside the table
+        src = inspect(cfg, paths[0].rsplit("/", 1)[0] if table is not None else cfg.data.path, paths=paths)
+    src, rng = increments.placed(src, rng, prev.source)
+    spec = read_spec(cfg, src)
+    on_ray = _fit_on_ray(cfg.run.fit_on) if use_ray is None else use_ray
+    t1 = time.perf_counter()
+    total, acct = merge_fit(_records(src, spec, cfg, on_ray), src)
+    counts_then, how = prev.fitted.history, ""
+    if counts_then is None or not counts_then.partitions:  # a fit by the count shuffle kept none: recounted once
+        if prev.increment is not None:
+            raise PipelineError("the previous plan's fitted state keeps no category counts (it was pickled without "
+                                "plan.save, or fitted on a Ray cluster), so the thresholds cannot count over the "
+                                "whole history. Pass the plan saved with plan.save, or prepare without since=")
+        total0, _ = merge_fit(_records(prev.source, prev.spec, cfg, on_ray), prev.source)
+        counts_then = history.recounted(prev.fitted, total0, prev.source.columns, cfg.preprocess)
+        how = "; the previous plan's rows recounted once: its state kept no counts"
+    fitted = history.extended(prev.fitted, counts_then, total, src.columns, cfg.preprocess, rng.to_dict())
+    fit_s = time.perf_counter() - t1
+    plan = IngestPlan(cfg, src, fitted, acct, world, **_shares(src, acct, world, cfg.train.shuffle == "global"),
+                      timings={"validate_s": t1 - t0, "fit_s": fit_s, "planned_at": time.time(),
+                               "fit_on": ("Ray" if on_ray else "this process") + how}, increment=rng)
+    if _ray_ready():
+        fitted.shared()
+        keep_beyond_session(fitted.vocab, fitted.vocab_digest)
+    if min(plan.train_sizes) == 0 and plan.train_rows:
+        raise DataError(f"{world} ranks but only {plan.train_rows:,} training rows in the increment ({rng.describe()}): "
+                        f"ranks {[r for r, n in enumerate(plan.train_sizes) if n == 0]} would get none; use fewer ranks "
+                        f"or wait for more rows")
+    return plan
+
+
+def _records(src: Source, spec: ReadSpec, cfg: Config, on_ray: bool) -> list:
+    """The fit tasks' records with their category counts (an increment extends the counts here)."""
+    if on_ray:
+        from . import ray_side
+
+        return ray_side.fit_records(src, spec, cfg.run.stall_timeout_s)[0]
+    from . import local_side
+
+    return local_side.fit_records(src, spec, cfg.run.stall_timeout_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,6 +637,9 @@ def rank_data(plan: IngestPlan, *, batch_size: int | None = None, seed: int | No
     from .loader import DeviceLoader
     from .sampler import BatchSampler, resume_span, upgrade
 
+    if plan.empty:
+        raise PipelineError(f"the plan is empty: {plan.describe()[0].removeprefix('[fit] ')}. Test plan.empty before "
+                            f"rank_data, and wait for new rows (prepare(since=plan) again later)")
     launcher, r, w = rank_context()
     if launcher == "torch.distributed":
         atexit.unregister(end_process_group_at_exit)  # once, however many times rank_data is called

@@ -15,7 +15,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from . import apply, fitted_io
+from dataclasses import replace
+
+from . import apply, fitted_io, history, storage
 from .fitted import MAX_CLASSES, UNKNOWN_WARN, FittedState, FittedTarget, Transformed, coverage_lines
 from .fitted_io import FORMAT, VERSION
 from .stats import (NumericStats, PartialStats, categorical_ops, feature_values, hash_counts, numeric_ops,
@@ -61,16 +63,34 @@ class FittedPreprocessor(FittedState):
         return fitted_io.to_dict(self, vocab_file)
 
     def state(self, uri: str) -> dict[str, Any]:
-        """to_dict for a JSON saved at `uri`, the vocabularies written beside it."""
-        return fitted_io.state(self, uri)
+        """to_dict for a JSON saved at `uri`, the vocabularies (and the category counts an increment
+        extends, history.py) written beside it."""
+        d = fitted_io.state(self, uri)
+        kept = history.to_state(self.history, uri)
+        return {**d, "history": kept} if kept else d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], uri: str | None = None) -> "FittedPreprocessor":
         """The inverse of to_dict / state; uri: where the JSON was read from."""
-        return fitted_io.from_dict(cls, d, uri)
+        fp = fitted_io.from_dict(cls, d, uri)
+        kept = history.from_state(d.get("history"), uri)
+        return replace(fp, history=kept) if kept is not None else fp
 
     def save(self, uri: str) -> None:
-        fitted_io.save(self, uri)
+        storage.write_json(uri, self.state(uri))
+
+    def growth(self, previous: "FittedState") -> dict[str, tuple[int, int]]:
+        """Per categorical column, (ids before, ids after): the embedding table sizes of `previous` (the
+        fitted state this one extends, prepare(since=...)) and of this one, the unknown id 0 and hash
+        buckets included. Known ids never move, so a model grows each table to `after` rows and keeps
+        the first `before` as they are."""
+        return history.growth(self, previous)
+
+    @property
+    def lineage(self) -> list[dict[str, Any]]:
+        """The increments this state was extended by, oldest first: each one's previous state's digest,
+        source, version range and rows (empty for a full fit)."""
+        return list(self.stats.get("lineage", []))
 
     @classmethod
     def load(cls, uri: str) -> "FittedPreprocessor":

@@ -355,12 +355,15 @@ def _vector_dim(fs, shard: Shard, col: str) -> int:
                     f"length is unknown; fill it upstream or remove it from data.numeric")
 
 
-def inspect(cfg: Config, uri: str | None = None) -> Source:
-    """List shards, read every footer in parallel, check each file against the config."""
+def inspect(cfg: Config, uri: str | None = None, table: tables.Snapshot | None = None,
+            paths: list[str] | None = None) -> Source:
+    """List shards, read every footer in parallel, check each file against the config. table / paths:
+    read these files of the table (or of the folder) instead of the whole version (an increment,
+    increments.py)."""
     uri = uri or cfg.data.path
     d = cfg.data
-    fmt = "iceberg" if d.catalog else tables.find(uri)
-    table = tables.snapshot(uri, fmt, d.version, d.catalog) if fmt else None
+    fmt = None if table is not None or paths is not None else "iceberg" if d.catalog else tables.find(uri)
+    table = table if table is not None else tables.snapshot(uri, fmt, d.version, d.catalog) if fmt else None
     if table is not None:
         listed = {f.path: f for f in table.files}
         paths = list(listed)
@@ -369,11 +372,11 @@ def inspect(cfg: Config, uri: str | None = None) -> Source:
                                f"has rows (data.version)", "")
         uri = table.root
     else:
-        if d.version:
+        if d.version and paths is None:
             raise DataError(f"data.version = {d.version!r} is set, but '{uri}' is a folder of Parquet files, not a Delta "
                             f"or Iceberg table, so it has no versions; leave data.version empty or point data.path at "
                             f"the table's root")
-        listed, paths = {}, list_shards(uri)
+        listed, paths = {}, list_shards(uri) if paths is None else paths
     fs, root = storage.filesystem(uri)
     with ThreadPoolExecutor(max_workers=min(32, len(paths))) as pool:
         found = list(pool.map(lambda p: _footer(fs, p, root, listed.get(p), table), paths))

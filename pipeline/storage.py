@@ -32,6 +32,11 @@ def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     if "://" not in uri:
         return pafs.LocalFileSystem(), os.path.abspath(uri)
     parts = urllib.parse.urlsplit(uri)
+    if parts.scheme == "file" and parts.netloc not in ("", "localhost"):
+        # file://data/t/x.parquet: a path relative to the writer's folder (duckdb, some Iceberg writers record
+        # them so). pyiceberg reads it as data/t/x.parquet from the current folder; so does this, made absolute
+        # here, where it is planned, so that workers started elsewhere read the same file.
+        return pafs.LocalFileSystem(), os.path.abspath(urllib.parse.unquote(parts.netloc + parts.path))
     endpoint = _s3_endpoint()
     if parts.scheme == "s3" and endpoint and not parts.query:
         # Recent pyarrow reads AWS_ENDPOINT_URL(_S3) itself, but not every version does, and none reads

@@ -22,6 +22,7 @@ bring deleted rows back or misname columns, silently.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import re
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from . import storage
-from .errors import DataError
+from .errors import DataError, PipelineError
 
 _LEVELS_UP = 6  # how far above data.path a table root is looked for (a partition folder sits a few down)
 
@@ -99,10 +100,11 @@ def table_format(fs: pafs.FileSystem, path: str) -> str | None:
 def find(uri: str) -> str | None:
     """The format of the table whose root is `uri` (None for plain Parquet). A path inside a table (its
     data/ folder, a partition folder) is refused, naming the root: its files are every version's."""
-    fs, path = storage.filesystem(uri)
-    if fs.get_file_info(path).type != pafs.FileType.Directory:
-        return None
-    fmt = table_format(fs, path)
+    with guarded(f"'{uri}'", "looking for a table there"):
+        fs, path = storage.filesystem(uri)
+        if fs.get_file_info(path).type != pafs.FileType.Directory:
+            return None
+        fmt = table_format(fs, path)
     if fmt == "hudi":
         raise DataError(f"'{uri}' is an Apache Hudi table (it has .hoodie/), which this pipeline does not read: its "
                         f"folder holds the files of earlier commits beside the current ones. Export the current "
@@ -115,7 +117,10 @@ def find(uri: str) -> str | None:
         if not parent or parent == above or parent.endswith(":"):
             break
         above = parent
-        fmt = table_format(fs, above)
+        try:
+            fmt = table_format(fs, above)
+        except OSError:  # a folder above that cannot be listed (a bucket's root without the right to list it)
+            break
         if fmt:
             root = storage.to_uri(fs, above)
             raise DataError(f"'{uri}' is inside the {fmt} table at '{root}': its files there include rows the table "
@@ -128,9 +133,43 @@ def snapshot(uri: str, fmt: str, version: str = "", catalog: str = "") -> Snapsh
     """The files of the table at `version` ("" the latest: a Delta version or an Iceberg snapshot id,
     or an ISO timestamp for the version current then). catalog: a pyiceberg catalog name, and `uri`
     is then the table's identifier (namespace.table)."""
-    if fmt == "delta":
-        return _delta(uri, version)
-    return _iceberg(uri, version, catalog)
+    name = "Delta" if fmt == "delta" else "Iceberg"
+    with guarded(f"the {name} table '{uri}'", "opening and planning it"):
+        if fmt == "delta":
+            return _delta(uri, version)
+        return _iceberg(uri, version, catalog)
+
+
+@contextlib.contextmanager
+def guarded(what: str, step: str):
+    """Any exception the table libraries (deltalake, pyiceberg, a catalog) or pyarrow's filesystems raise
+    inside, as one paragraph naming `what`, the step, the file or object it could not read and the
+    cause: their errors are their own classes (TypeError from a metadata parser, OSError from a bucket's
+    region lookup, FileNotFoundError for a manifest list), never a traceback for the user."""
+    try:
+        yield
+    except PipelineError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the libraries' own errors, as one paragraph
+        raise DataError(cannot_read(what, step, e)) from None
+
+
+def cannot_read(what: str, step: str, e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    text = text if len(text) <= 400 else text[:400] + " ..."
+    obj = getattr(e, "filename", None)
+    said = f" '{obj}'" if obj and str(obj) not in text else ""
+    if isinstance(e, FileNotFoundError) or "No such file" in text or "Failed to open local file" in text:
+        fix = ("A file its metadata names is missing (removed by hand or by an expire/vacuum, copied without it, or "
+               "recorded relative to another folder than this one): restore it, run from the folder its locations are "
+               "relative to, or pin a version whose files exist (data.version)")
+    elif isinstance(e, OSError):
+        fix = ("The storage it names could not be reached or read: check that the bucket or host exists and is "
+               "reachable from here, and the credentials and endpoint (AWS_* variables, AWS_ENDPOINT_URL)")
+    else:
+        fix = ("Its metadata is not what the format's library can parse (it cannot read this table either): check it "
+               "with the format's own tools, repair or rewrite the table, or export it to Parquet")
+    return f"cannot read {what} while {step}: {type(e).__name__}{said}: {text}. {fix}"
 
 
 def _needs(package: str, extra: str, what: str) -> DataError:
@@ -271,14 +310,21 @@ def _iceberg_metadata(fs: pafs.FileSystem, path: str) -> str:
         for name in (f"v{v}.metadata.json", f"{v}.metadata.json"):
             if storage.exists(fs, f"{path}/metadata/{name}"):
                 return f"{path}/metadata/{name}"
-    best = None
+    best, unnumbered = None, []
     for info in fs.get_file_info(pafs.FileSelector(f"{path}/metadata")):
         m = re.match(r"^v?(\d+)[-.].*metadata\.json$", info.base_name)
         if m and (best is None or int(m.group(1)) > best[0]):
             best = (int(m.group(1)), info.path)
+        elif not m and info.base_name.endswith(".metadata.json") and not info.base_name.startswith("."):
+            unnumbered.append(info.path)
+    if best is None and len(unnumbered) == 1:  # one metadata file, named by hand (vfinal.metadata.json): that one
+        return unnumbered[0]
     if best is None:
+        which = f" (it holds {', '.join(sorted(p.rsplit('/', 1)[1] for p in unnumbered))}, none numbered)" \
+            if unnumbered else ""
         raise DataError(f"'{path}/metadata' holds no versioned Iceberg metadata file (vN.metadata.json or "
-                        f"NNNNN-<uuid>.metadata.json); point data.path at the table's root")
+                        f"NNNNN-<uuid>.metadata.json){which}, so which is current cannot be known; write its version "
+                        f"into metadata/version-hint.text, or read it through its catalog (data.catalog)")
     return best[1]
 
 
@@ -325,7 +371,13 @@ def _iceberg(uri: str, version: str, catalog: str) -> Snapshot:
         location = f"file://{storage.filesystem(location)[1]}"
     if snap is None:  # a table created and never written
         return Snapshot("iceberg", uri, location, "", ())
-    schema = table.schemas().get(snap.schema_id, table.schema()) if snap.schema_id is not None else table.schema()
+    # The schema a scan reads with, as pyiceberg's: the table's current schema for its current state (a column
+    # renamed, dropped or added since the last write counts), the snapshot's own for a pinned version. Its field
+    # ids alone say which column of a file is which: a column dropped and added again under its old name has a
+    # new id that no older file holds, so it reads as null there, never as the dropped column's values.
+    schema = table.schema()
+    if version and snap.schema_id is not None:
+        schema = table.schemas().get(snap.schema_id, schema)
     files, deletes = [], _IcebergDeletes(uri, snap.snapshot_id, table.io)
     specs = table.specs()
     for task in _plan_files(uri, table, snap.snapshot_id):
@@ -443,7 +495,8 @@ def _iceberg_partition(schema, spec, record) -> tuple[tuple[str, Any], ...]:
     from pyiceberg.transforms import IdentityTransform
 
     out = []
+    names = {f.field_id: f.name for f in schema.fields}
     for i, field in enumerate(spec.fields):
-        if isinstance(field.transform, IdentityTransform):
-            out.append((schema.find_column_name(field.source_id), record[i]))
+        if isinstance(field.transform, IdentityTransform) and field.source_id in names:  # a dropped column: not read
+            out.append((names[field.source_id], record[i]))
     return tuple(out)

@@ -33,44 +33,91 @@ class Parts:
     pickling sends the reference); a part file (a saved fit, memory-mapped when local); or the part
     itself (a fit without Ray). A part is loaded on the first lookup of one of its values."""
 
-    __slots__ = ("sources", "job", "_loaded", "_lock", "__weakref__")
+    __slots__ = ("sources", "job", "backup", "_loaded", "_lock", "__weakref__")
 
-    def __init__(self, sources: Sequence, job: str | None = None):
+    def __init__(self, sources: Sequence, job: str | None = None, backup: Sequence | None = None):
         self.sources = list(sources)
         # the Ray job whose object store holds the parts (sources are ObjectRefs)
         self.job = job if job is not None or not any(_is_ref(s) for s in self.sources) else _ray_job()
+        # what stands in for the Ray objects once their session has ended (keep_beyond_session): per part its
+        # file, or the part itself where the parts are small; None: nothing (the plan must be saved before)
+        self.backup = list(backup) if backup is not None else None
         self._loaded: dict[int, dict] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.sources)
 
+    @property
+    def live(self) -> bool:
+        """The parts' Ray objects can be read here: their job is the one this process is connected to."""
+        return self.job is not None and self.job == _ray_job()
+
+    def source(self, q: int):
+        """Where part q is read from: its Ray object while that session lives, else what was kept beside it."""
+        s = self.sources[q]
+        if not _is_ref(s) or self.live:
+            return s
+        if self.backup is None:
+            raise PipelineError(
+                "the vocabularies of this plan (or fitted state) lived in the object store of a Ray session that has "
+                "ended, and no copy was kept: they cannot be read any more. Save the plan (plan.save) or the fitted "
+                "state (plan.fitted.save) before ray.shutdown(), or prepare again")
+        return self.backup[q]
+
     def part(self, q: int) -> dict:
         got = self._loaded.get(q)
-        if got is None:
+        if got is None or (got[0] and not self.live):  # read from a Ray object whose session has ended: read again
             with self._lock:
                 got = self._loaded.get(q)
-                if got is None:
-                    got = self._loaded[q] = _load_part(self.sources[q])
-        return got
+                if got is None or (got[0] and not self.live):
+                    source = self.source(q)
+                    got = self._loaded[q] = (_is_ref(source), _load_part(source))
+        return got[1]
 
     def share(self) -> "Parts":
-        """The parts in Ray's object store (once): pickling then sends references. Needs a connected Ray."""
-        if self.job is None:
+        """The parts in Ray's object store (once per Ray session): pickling then sends references. Needs a
+        connected Ray."""
+        if not self.live:
             import ray
 
-            self.sources = [s if _is_ref(s) else ray.put(self.part(q)) for q, s in enumerate(self.sources)]
+            before = [self.source(q) for q in range(len(self))]  # files, parts, or another session's stand-ins
+            self.sources = [ray.put(self.part(q)) for q in range(len(self))]
             self.job = _ray_job()
+            if self.backup is None:
+                self.backup = before
         return self
+
+    def keep_beyond_session(self, folder_uri: str, names: Sequence[str], tag: str, inline: bool) -> None:
+        """While Ray is up: keep what stands in for the parts' Ray objects once the session ends (a notebook
+        saves the plan for serving after ray.shutdown()). inline (small parts): fetched into this process, a
+        copy that travels with the plan; else written to part files in folder_uri (by a task on this node:
+        this process never holds them), which the plan then names."""
+        if self.backup is not None or not any(_is_ref(s) for s in self.sources) or not self.live:
+            return
+        if inline:
+            import pickle
+
+            import ray
+
+            # a copy by value: what ray.get returns may point into the object store, which ends with the session
+            self.backup = [pickle.loads(pickle.dumps(dict(p))) for p in ray.get(self.sources)]
+            return
+        self.write(folder_uri, names, tag)
+        from . import storage
+
+        self.backup = [storage.join(folder_uri, f"part-{q:05d}") for q in range(len(self))]
 
     def unshared(self) -> "Parts":
         """The parts themselves (for a plan pickled to a file), or their files."""
         return Parts([s if isinstance(s, str) else self.part(q) for q, s in enumerate(self.sources)])
 
     def __reduce__(self):
-        if self.job is not None and self.job != _ray_job():  # references outside their job: the parts themselves
-            return Parts, ([self.part(q) for q in range(len(self))],)
-        return Parts, (self.sources, self.job)
+        if self.job is not None and not self.live:  # references outside their session: what stands in for them
+            return Parts, ([b if isinstance(b, str) else self.part(q) for q, b in
+                            enumerate(self.backup or [None] * len(self))],)
+        files = self.backup if self.backup is not None and all(isinstance(b, str) for b in self.backup) else None
+        return Parts, (self.sources, self.job, files)  # inline copies stay here: tasks read the Ray objects
 
     def write(self, folder_uri: str, names: Sequence[str], tag: str) -> None:
         """Every part as two Arrow IPC files in folder_uri: part-<q>.arrow (one record batch {value, hash,
@@ -79,7 +126,7 @@ class Parts:
         from . import storage
 
         paths = [storage.join(folder_uri, f"part-{q:05d}") for q in range(len(self))]
-        refs = [q for q, s in enumerate(self.sources) if _is_ref(s)]
+        refs = [q for q, s in enumerate(self.sources) if _is_ref(s)] if self.live else []
         if refs:
             import ray
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -87,9 +134,8 @@ class Parts:
             here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
             task = ray.remote(num_cpus=0, max_retries=3)(write_part).options(scheduling_strategy=here)
             ray.get([task.remote(paths[q], self.sources[q], list(names), tag) for q in refs])
-        for q, s in enumerate(self.sources):
-            if not _is_ref(s):
-                write_part(paths[q], self.part(q), list(names), tag)
+        for q in sorted(set(range(len(self))) - set(refs)):
+            write_part(paths[q], self.part(q), list(names), tag)
 
 
 def _is_ref(s) -> bool:
@@ -290,6 +336,23 @@ class PartedVocabulary(Sequence[str]):
 
     def __reduce__(self):
         return PartedVocabulary, (self.name, self.parts, self.sizes, self._digest)
+
+
+INLINE_BYTES = 32 * 2**20  # vocabularies up to this size are copied into the plan when Ray's session ends
+
+
+def keep_beyond_session(vocabs: Sequence, tag: str) -> None:
+    """For a fit whose vocabulary parts are Ray objects: keep a stand-in for them that outlives the Ray
+    session (see Parts.keep_beyond_session): in the plan up to INLINE_BYTES, else part files in a folder of
+    this machine's temporary directory named by the fit's digest (pipeline-vocab/vocab-<digest>)."""
+    import os
+    import tempfile
+
+    parted = [v for v in vocabs if isinstance(v, PartedVocabulary) and len(v)]
+    for parts in {id(v.parts): v.parts for v in parted}.values():
+        mine = [v for v in parted if v.parts is parts]
+        folder = os.path.join(tempfile.gettempdir(), "pipeline-vocab", f"vocab-{tag}")
+        parts.keep_beyond_session(folder, [v.name for v in mine], tag, sum(v.nbytes for v in mine) <= INLINE_BYTES)
 
 
 def column_digest(partitions: int, part_digests: Sequence[str]) -> str:

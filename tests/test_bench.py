@@ -62,3 +62,20 @@ def test_preprocess_bench_runs_several_cases_side_by_side(tmp_path, capsys, ray_
         assert c["best"]["handwritten"]["rows"] == c["rows"] == sum(r["rows"] for r in p["ranks"])
         assert c["best"]["ratio_project_over_handwritten"] == p["seconds"] / c["best"]["handwritten"]["seconds"]
     assert (tmp_path / "cases.png").stat().st_size > 0
+
+
+def test_increments_bench_compares_the_chain_with_the_full_refit_day_by_day(tmp_path, capsys):
+    """bench --mode increments on 4 small days: each day's increment reads that day only, the full refit every
+    day so far; the three models are scored on the next day (figures only, no timing asserted)."""
+    out, png = tmp_path / "inc.json", tmp_path / "inc.png"
+    rc = cli.main(["bench", "--mode", "increments", "--days", "4", "--rows", "3000", "--data", str(tmp_path / "d"),
+                   "--out", str(out), "--plot", str(png)])
+    assert rc == 0
+    assert "AUC chain" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert [r["day"] for r in res["per_day"]] == [2, 3]
+    for r in res["per_day"]:
+        assert r["increment_rows"] == 3000 and r["full_rows"] == 3000 * r["day"]
+        assert all(0.0 <= r[f"{m}_auc"] <= 1.0 and r[f"{m}_logloss"] > 0 for m in ("chain", "full", "day_only"))
+        assert all(after >= before for before, after in r["growth"].values())
+    assert png.stat().st_size > 10_000

@@ -139,3 +139,60 @@ def test_the_quick_commands_run(tmp_path):
         out = subprocess.run([sys.executable, "-m", "pipeline", *argv], cwd=REPO, env=env, capture_output=True,
                              text=True, timeout=300)
         assert out.returncode == 0, f"`{command}` exited {out.returncode}:\n{out.stderr[-2000:]}"
+
+
+@pytest.mark.slow
+def test_the_daily_loop_of_continuous_md_runs_and_each_day_trains_on_its_rows(ray_local, tmp_path):
+    """docs/continuous.md's daily loop, its commands as written (parsed by the real CLI and config), run on a
+    small table: five days, day 1 in full, then four increments, each warm-started from the day before. Each
+    run trains on its own day's rows only (metrics.json), the embedding tables grow, and the grown tables keep
+    every known row of the previous run's final model bit for bit before the first step."""
+    import torch
+
+    from pipeline import storage
+    from pipeline.cli import _config_from, build_parser, cmd_generate
+    from pipeline.job import warm
+    from pipeline.job.model import Optimizers, build_model
+    from pipeline.train import run
+
+    loop = [c for p, c in COMMANDS if p == "docs/continuous.md" and "configs/daily.toml" in c]
+    assert len(loop) == 6
+    small = {"data.path": str(tmp_path / "daily"), "generate.rows": "3000", "run.output": str(tmp_path / "runs"),
+             "train.epochs": "1", "train.hidden": "[16]"}
+    runs, rows_per_day = [], 3000
+    for command in loop:
+        argv = project_argv(shlex.split(command))
+        for k, v in small.items():
+            argv += [f"--{k}", v]
+        if "--run.since" in argv:
+            at = argv.index("--run.since") + 1
+            argv[at] = str(tmp_path / argv[at])  # runs/day-1 under this test's output
+        args = build_parser().parse_args(argv)
+        cfg = _config_from(args)
+        if argv[0] == "generate":
+            assert cmd_generate(cfg, args) == 0
+            continue
+        summary = run(cfg)
+        runs.append(summary)
+        assert summary["rows_read"] == rows_per_day  # this day's rows only, never the history again
+        assert [e["epoch"] for e in summary["epochs"]] == [1] and "clicked:val_auc" in summary["epochs"][0]
+    assert [bool(s.get("warm")) for s in runs] == [False, True, True, True, True]
+    for day, s in enumerate(runs[1:], start=2):
+        w = s["warm"]
+        assert w["since_run"] == runs[day - 2]["run"] and w["from_version"] == str(day - 2) and w["to_version"] == str(day - 1)
+        assert w["growth"]["user"]["after"] > w["growth"]["user"]["before"]  # new users every day
+    # before the first step: day 3's grown model against day 2's final model, row by row
+    prev = warm.previous_run(runs[1]["run"])
+    plan3 = warm.previous_run(runs[2]["run"])["plan"]
+    grown = warm.growth(prev["plan"].fitted, plan3.fitted)
+    before, after, tail = ([g[i] for g in grown.values()] for i in range(3))
+    cfg = plan3.config
+    model, _, _ = warm.warm_model({"checkpoint": prev["checkpoint"], "before": before, "after": after, "tail": tail},
+                                  plan3.fitted, cfg, torch.device("cpu"), build_model, Optimizers)
+    old = warm.load_state(prev["checkpoint"])["model"]["embedding.weight"]
+    new = model.embedding.weight.detach()
+    old_at, new_at = 0, 0
+    for b, a in zip(before, after):
+        assert torch.equal(new[new_at:new_at + b], old[old_at:old_at + b])
+        old_at, new_at = old_at + b, new_at + a
+    assert storage.exists(*storage.filesystem(storage.join(runs[-1]["run"], "plan.pkl")))  # day 6 starts from here

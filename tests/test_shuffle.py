@@ -280,3 +280,52 @@ def test_counts_merged_by_threads_as_they_come_equal_one_merge_and_a_mask_equals
     for c, va, vb in zip(cols.categorical, a.vocab, b.vocab):
         assert len(va) > 0 and list(va) == list(vb), c
     assert a.stats["categorical"] == b.stats["categorical"]
+
+
+_AFTER_SHUTDOWN = r"""
+import json, sys
+import numpy as np, pyarrow as pa, pyarrow.parquet as pq, ray
+import pipeline
+from pipeline import vocab_parts
+
+path, out, inline = sys.argv[1], sys.argv[2], sys.argv[3] == "inline"
+if not inline:
+    vocab_parts.INLINE_BYTES = 0  # parts written to a folder while Ray is up (a large fit's way)
+ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+keys = dict(world_size=2, label="label", val_fraction=0.0, settings={"preprocess.vocab_partitions": 3})
+plan = pipeline.prepare(path, use_ray=True, **keys)
+assert plan.timings["fit_on"] == "Ray" and plan.fitted.vocab[0].parts.sources  # the parts were Ray objects
+before = plan.fitted.transform(pq.read_table(path))
+ray.shutdown()
+rows = pq.read_table(path)
+after = plan.fitted.transform(rows)  # a notebook serving after the run
+plan.save(out + "/plan.pkl")
+plan.fitted.save(out + "/preprocessor.json")
+loaded = pipeline.IngestPlan.load(out + "/plan.pkl").fitted.transform(rows)
+served = pipeline.FittedPreprocessor.load(out + "/preprocessor.json").transform(rows)
+here = pipeline.prepare(path, use_ray=False, **keys).fitted.transform(rows)
+for name, t in [("after", after), ("loaded", loaded), ("served", served), ("here", here)]:
+    assert np.array_equal(t.x_cat, before.x_cat) and np.array_equal(t.x_num, before.x_num), name
+print(json.dumps({"to_dict": len(plan.fitted.to_dict()["categorical"][0]["vocab"]), "ids": int(before.x_cat.max())}))
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("how", ["inline", "folder"])
+def test_a_plan_fitted_on_ray_saves_and_transforms_after_ray_shutdown(tmp_path, how):
+    """The vocabulary parts of a fit on Ray live in the object store; a notebook saves the plan for serving after
+    ray.shutdown(). Small parts travel in the plan, larger ones were written to a folder while Ray was up: either
+    way the plan transforms, saves and loads after the session ended, with the ids it had (a Ray of its own, in a
+    process of its own: the session's Ray is not shut down under the other tests)."""
+    import json
+    import subprocess
+    import sys
+
+    df = heavy_tailed(6000, 400, seed=3)
+    pq.write_table(pa.Table.from_pandas(df[["x", "a", "label"]], preserve_index=False), tmp_path / "d.parquet",
+                   row_group_size=1500)
+    run = subprocess.run([sys.executable, "-c", _AFTER_SHUTDOWN, str(tmp_path / "d.parquet"), str(tmp_path), how],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["to_dict"] == got["ids"] == df["a"].nunique()

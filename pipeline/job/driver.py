@@ -13,6 +13,7 @@ import pipeline
 from pipeline import Config, DataError, NoUsableRows, PipelineError, storage
 
 from .loop import CHECKPOINT_FILE, FIT_FILE, PREPROCESSOR_FILE, QUARANTINE_FILE, train_loop_per_worker
+from .warm import PLAN_FILE, check_shape, growth, previous_run, run_folder, warm_line
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,23 +157,36 @@ def prepare_run(cfg: Config, out_uri: str, world_size: int, use_ray: bool | None
     saved = storage.join(out_uri, PREPROCESSOR_FILE)
     earlier = cfg.run.resume and storage.exists(*storage.filesystem(saved))
     manifest = storage.join(out_uri, QUARANTINE_FILE)
+    plan_file = storage.join(out_uri, PLAN_FILE)
+    prev = previous_run(cfg.run.since) if cfg.run.since else None
     try:
-        plan = pipeline.prepare(config=cfg, world_size=world_size, fitted=saved if earlier else None, use_ray=use_ray)
+        if prev is not None and earlier and storage.exists(*storage.filesystem(plan_file)):
+            plan = pipeline.IngestPlan.load(plan_file)  # a resumed increment: exactly the rows it planned
+        else:
+            plan = pipeline.prepare(config=cfg, world_size=world_size, fitted=saved if earlier and prev is None else None,
+                                    use_ray=use_ray, **({"since": prev["plan_uri"]} if prev is not None else {}))
     except NoUsableRows as e:  # nothing to train on: the manifest still says what was set aside, and why
         if not e.manifest_jsonl:
             raise
         storage.write_text(manifest, e.manifest_jsonl)
         raise DataError(f"{e} Every file and row group set aside is listed in {manifest}", e.details) from None
+    warm = ""
+    if prev is not None:
+        check_shape(prev, cfg, plan)
+        warm, plan.timings["warm"] = warm_line(prev, plan, growth(prev["plan"].fitted, plan.fitted))
     if earlier:
         print(f"[fit] resuming: using the preprocessor fitted earlier, {saved}", flush=True)
     else:
         plan.fitted.save(saved)
+        plan.save(plan_file)  # the next day's --run.since starts from this plan's version and fitted state
     fit_json = storage.join(out_uri, FIT_FILE)
     plan.save_fit(fit_json)  # `--run.fit_from` this file skips the fit pass next time, while the data is unchanged
     if plan.accounting.quarantined:
         storage.write_text(manifest, plan.accounting.manifest_jsonl())
     lines = plan.describe()
-    lines[2] += f"; manifest {manifest}" if plan.accounting.quarantined else ""
+    if plan.accounting.quarantined:
+        lines[2] += f"; manifest {manifest}"
+    lines += [warm] if warm else []
     print("\n".join(lines) + f"\n[fit] saved {saved} and {fit_json} (reuse it with --run.fit_from)", flush=True)
     return plan
 
@@ -238,6 +252,8 @@ def run(cfg: Config, started: float | None = None, ray_s: float = 0.0,
         raise PipelineError("data.label is empty, so there is nothing for the built-in train job to learn; name the "
                             "target column(s) with data.label, or read unlabelled rows through pipeline.prepare and "
                             "pipeline.rank_data in your own loop (docs/api.md)")
+    if cfg.run.since:  # resolved once (runs/<name>: its newest finished run), so every worker reads that run
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"since": run_folder(cfg.run.since)})})
     name = run_name(cfg)
     out_uri = storage.join(cfg.run.output, name)
     t_start = time.perf_counter()
@@ -284,16 +300,20 @@ def run(cfg: Config, started: float | None = None, ray_s: float = 0.0,
     else:  # ray_data: the plan's DataConfig is part of the trainer, so the plan comes first
         plan = early.result() if early else plan_run(cfg, out_uri)
         started_at = time.time()
-        result = trainer(plan, **plan.trainer_kwargs(cpus_per_worker=0.0 if use_gpu else 1.0)).fit()
+        result = None if plan.empty else \
+            trainer(plan, **plan.trainer_kwargs(cpus_per_worker=0.0 if use_gpu else 1.0)).fit()
     plan.timings["trainer_started_at"] = started_at
     if early is not None:
         plan.timings["ray_span"] = early.ray_span
     acct = plan.accounting
     history = getattr(result, "return_value", None) or []  # Ray 2.52 has no return_value: then the last checkpoint's
-    if not history and result.checkpoint is not None:
+    if not history and result is not None and result.checkpoint is not None:
         with result.checkpoint.as_directory() as d:
             history = torch.load(os.path.join(d, CHECKPOINT_FILE), weights_only=False)["history"]
     missing = sorted(set(range(1, cfg.train.epochs + 1)) - {int(e["epoch"]) for e in history}) if history else []
+    if plan.empty:  # nothing new after the previous run's version: its model stands, and this run moves since= on
+        print(f"[warm] nothing new: the model stays the previous run's ({plan.timings['warm']['previous_checkpoint']}); "
+              f"the next --run.since may name this run", flush=True)
     if missing:  # a defect, never expected: say so rather than report fewer epochs quietly
         print(f"[train] warning: the run trained {cfg.train.epochs} epochs but its final history lacks the metrics "
               f"of epoch(s) {missing}; its checkpoints are in {out_uri}", flush=True)
@@ -301,8 +321,11 @@ def run(cfg: Config, started: float | None = None, ray_s: float = 0.0,
                "accounting_summary": acct.summary(), "epochs": history,
                "coverage": plan.fitted.stats.get("categorical", {}),
                "targets": [{"name": t.name, "kind": t.kind, "classes": len(t.classes)} for t in plan.fitted.targets],
-               "checkpoint": storage.to_uri(result.checkpoint.filesystem, result.checkpoint.path) if result.checkpoint else None,
+               "checkpoint": storage.to_uri(result.checkpoint.filesystem, result.checkpoint.path)
+               if result is not None and result.checkpoint else
+               plan.timings["warm"]["previous_checkpoint"] if plan.empty else None,
                "preprocessor": storage.join(out_uri, PREPROCESSOR_FILE), "use_gpu": use_gpu,
+               **({"warm": plan.timings["warm"]} if "warm" in plan.timings else {}),
                "wall_s": round(time.perf_counter() - t_start, 2)}
     line, figures = first_step_line(started, ray_s, plan, history) if not cfg.run.resume else ("", {})
     if line:

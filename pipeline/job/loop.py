@@ -17,6 +17,7 @@ from pipeline import StepStats, timed
 
 from .evaluate import _all_gather, _all_reduce_sum, evaluate, target_figures
 from .model import Optimizers, batch_loss, build_model, sparse_embeddings
+from .warm import growth, previous_run, warm_model
 
 
 CHECKPOINT_FILE = "state.pt"
@@ -62,6 +63,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
         if plan is None:  # the driver's prepare failed; it reports why, in one paragraph
             return []
     clock["plan_ready"] = time.time()
+    if plan.empty:  # an increment with nothing new (started beside the fit): the previous model stands
+        return []
     cfg, fitted = plan.config, plan.fitted
     ckpt = ray.train.get_checkpoint()
     state = None
@@ -80,11 +83,20 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> list[dict[str, Any]]:
         [plan.train_rows + v for v in plan.val_sizes]
 
     torch.manual_seed(t.seed)  # identical initial weights on every rank (DDP broadcasts rank 0's anyway)
-    sparse = sparse_embeddings(fitted, cfg, device.type == "cuda")
-    model = ray.train.torch.prepare_model(build_model(fitted, cfg, sparse))
-    optimizer = Optimizers(model, cfg, sparse)
     history: list[dict[str, Any]] = []
     partial: dict[str, Any] | None = None  # the resumed epoch's sums before the checkpoint
+    if state is None and cfg.run.since:  # day k: yesterday's final model and optimizer, grown to today's ids
+        prev = previous_run(cfg.run.since)
+        grown = growth(prev["plan"].fitted, fitted)
+        warm = {"checkpoint": prev["checkpoint"], "before": [b for b, _, _ in grown.values()],
+                "after": [a for _, a, _ in grown.values()], "tail": [x for _, _, x in grown.values()]}
+        model, optimizer, sparse = warm_model(warm, fitted, cfg, device, build_model, Optimizers)
+        model = ray.train.torch.prepare_model(model)
+    else:  # a resumed run continues with the table's optimizer it was saved with
+        sparse = "sparse" in state["optimizer"] if state is not None else \
+            sparse_embeddings(fitted, cfg, device.type == "cuda")
+        model = ray.train.torch.prepare_model(build_model(fitted, cfg, sparse))
+        optimizer = Optimizers(model, cfg, sparse)
 
     if state is not None:
         (model.module if hasattr(model, "module") else model).load_state_dict(state["model"])
