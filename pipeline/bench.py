@@ -415,10 +415,11 @@ def _cmd(cfg, args) -> int:
         from . import bench_preprocess
 
         args.repeats = args.repeats or 1
-        if args.out == "bench.json":
-            args.out = "bench-preprocess.json"
+        if args.out == "bench.json":  # under a run folder, never the repository root
+            args.out = os.path.join("runs", "bench-preprocess", "bench-preprocess.json")
         if args.plot == "bench.png":
-            args.plot = "bench-preprocess.png"
+            args.plot = os.path.join("runs", "bench-preprocess", "bench-preprocess.png")
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         if args.scale:
             from . import bench_scale
 
