@@ -196,6 +196,8 @@ def count_table(col: pa.ChunkedArray | pa.Array, rows: np.ndarray | None = None)
     (two dictionary entries with one text, or 3 and 3.0 in a float column), which the merge
     (count_merge) sums."""
     arr = _combined(col)
+    if is_uuid(arr.type):  # no value_counts kernel for the extension type: its text, as the vocabulary keeps it
+        arr = uuid_text(arr)
     if pa.types.is_dictionary(arr.type):
         size = len(arr.dictionary)
         idx = arr.indices

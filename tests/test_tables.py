@@ -382,3 +382,24 @@ def test_an_iceberg_column_renamed_after_files_were_written_is_read_by_field_id(
     own = table.scan().to_arrow()
     assert len(got) == 800 and got == sorted(zip(own["id"].to_pylist(), own["kind"].to_pylist()))
     assert sorted(plan.fitted.vocab[0]) == [f"c{i}" for i in range(7)]
+
+
+def test_a_uuid_column_is_a_categorical_of_its_canonical_text(tmp_path):
+    """Parquet's UUID (pyarrow's arrow.uuid, Iceberg's uuid): as a categorical its values are their canonical
+    text, the same on the training path and at serving (where a request sends the text), nulls unknown."""
+    import uuid
+
+    import pyarrow.parquet as pq
+
+    ids = [uuid.UUID(int=i * 7919 + 1) for i in range(6)]
+    col = pa.array([ids[i % 6].bytes if i % 10 else None for i in range(300)], pa.uuid())
+    pq.write_table(pa.table({"u": col, "x": np.arange(300, dtype=np.float64)}), tmp_path / "p.parquet")
+    plan = pipeline.prepare(str(tmp_path), world_size=1, label="", categorical=["u"], numeric=["x"], use_ray=False,
+                            val_fraction=0.0, settings={"train.drop_last": False})
+    assert sorted(plan.fitted.vocab[0]) == sorted(str(u) for u in ids)
+    data = pipeline.rank_data(plan, batch_size=300, device="cpu")
+    served = plan.fitted.transform(pa.table({"u": pa.array([str(ids[i % 6]) if i % 10 else None for i in range(300)]),
+                                             "x": np.arange(300, dtype=np.float64)}))
+    order = np.argsort(data.train.row_id.numpy())
+    np.testing.assert_array_equal(data.train.x_cat.numpy()[order], served.x_cat)
+    assert (served.x_cat[::10] == 0).all() and (served.x_cat[1::10] > 0).all()
