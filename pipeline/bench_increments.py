@@ -13,7 +13,6 @@ so the figures are the data path's and the model's, not a cluster's start-up.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -186,13 +185,7 @@ def plot(res: dict, path: str) -> None:
 
 
 def main(args) -> int:
+    from .bench_report import report
+
     data = args.data or f"data/bench-daily-{args.rows}"
-    res = run(args.days, args.rows, args.epochs, args.batch_size, data)
-    print(table(res))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=2)
-    if args.plot:
-        plot(res, args.plot)
-    print(f"\nwrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
-    return 0
+    return report(run(args.days, args.rows, args.epochs, args.batch_size, data), table, plot, args)
