@@ -27,7 +27,7 @@ def pytest_addoption(parser):
 # them, so a module's expensive fixture (the 3-node cluster's plain run, the Ray head of `ray job submit`,
 # the S3 server, a baseline run) is built once. The longest modules go first, so that neither process is
 # left with one of them at the end while the other idles; the many short modules fill in behind them.
-FIRST = ["test_multinode", "test_integration", "test_examples", "test_loopback", "test_resume", "test_jobs", "test_docs",
+FIRST = ["test_multinode", "test_integration", "test_examples", "test_daily", "test_loopback", "test_resume", "test_jobs", "test_docs",
          "test_tables", "test_cluster_limits", "test_s3", "test_damage", "test_faults"]
 
 

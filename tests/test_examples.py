@@ -12,7 +12,6 @@ exactly the batches the torchrun run saw, rank by rank, step by step.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -134,44 +133,6 @@ def test_notebook_example_trains_and_serves(data, label, metric):
     assert f"validation {metric}" in out and "served:" in out
     kind = {"label": "binary", "segment": "multiclass (4 classes)", "spend": "regression"}[label]
     assert f"targets: '{label}' {kind}" in out
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("example", ["torchrun", "ray"])
-def test_both_loops_run_two_increments_warm_started_from_the_day_before(tmp_path, example):
-    """The daily loop in a user's own code: day 1 in full with --out, then days 2 and 3 each with --since the
-    day before: each plans only its day's rows (prepare(since=)), grows the previous model's embeddings
-    (pipeline.grow_embedding: one nn.Embedding per column under Ray Train, one nn.EmbeddingBag of blocks under
-    torchrun) and trains on. A day with nothing new trains nothing and keeps the model."""
-    import pyarrow.compute as pc
-    import torch
-    from deltalake import DeltaTable
-
-    from pipeline import demo
-
-    table = str(tmp_path / "daily")
-    launch = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "examples/torchrun_loop.py"] \
-        if example == "torchrun" else [sys.executable, "examples/ray_train_loop.py", "--workers", "2",
-                                       "--checkpoint-every", "0", "--storage", str(tmp_path / "runs")]
-    common = [*launch, "--data", table, "--label", "clicked", "--epochs", "1", "--batch-size", "128"]
-    sizes = []
-    for day in (1, 2, 3):
-        demo.generate_daily(table, day, 2500)
-        since = ["--since", str(tmp_path / f"day{day - 1}")] if day > 1 else []
-        out = run([*common, "--out", str(tmp_path / f"day{day}"), *since], timeout=400)
-        rows = DeltaTable(table, version=day - 1).to_pyarrow_table()
-        planned = re.search(r"\[fit\] \d+ shards, ([\d,]+) rows", out).group(1)
-        assert planned == f"{rows.filter(pc.equal(rows['day'], day)).num_rows:,}"  # only the day's rows planned
-        if day > 1:
-            assert f"rows added after version {day - 2} up to version {day - 1}" in out, out[-3000:]
-        saved = torch.load(tmp_path / f"day{day}" / "model.pt", weights_only=False)["model"]
-        sizes.append(sum(v.shape[0] for k, v in saved.items() if k.startswith("embedding")))
-    assert sizes[0] < sizes[1] < sizes[2]  # the tables grew with the new users and items
-    if example == "ray":  # the empty day once is enough (each Ray run starts a Ray of its own)
-        return
-    out = run([*common, "--out", str(tmp_path / "day4"), "--since", str(tmp_path / "day3")])
-    assert "nothing new after version 2" in out
-    assert (tmp_path / "day4" / "plan.pkl").exists() and (tmp_path / "day4" / "model.pt").exists()
 
 
 JOB = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "pipeline" / "job").glob("*.py"))
