@@ -134,13 +134,8 @@ def _write(path: str, part: dict[str, pa.Table], names: Sequence[str], tag: str)
 
 
 def _read(path: str) -> dict[str, pa.Table]:
-    fs, base = storage.filesystem(path)
     try:
-        if isinstance(fs, pa.fs.LocalFileSystem):
-            reader = pa.ipc.open_file(pa.memory_map(base))
-        else:
-            with fs.open_input_file(base) as f:
-                reader = pa.ipc.open_file(pa.py_buffer(f.read()))
+        reader = storage.open_arrow_file(path)
     except (OSError, pa.ArrowInvalid) as e:
         raise PipelineError(f"the category counts '{path}' cannot be read ({e}): copy the counts folder with the "
                             f"fitted state's JSON (they belong together), or fit again without since=") from None

@@ -109,3 +109,15 @@ def write_json(uri: str, obj: Any) -> None:
 
 def read_json(uri: str) -> Any:
     return json.loads(read_text(uri))
+
+
+def open_arrow_file(uri: str):
+    """An Arrow IPC file's reader: memory-mapped when local (the pages are shared by every process of the
+    machine that reads it), read whole otherwise. Raises OSError or pyarrow.ArrowInvalid."""
+    import pyarrow as pa
+
+    fs, path = filesystem(uri)
+    if isinstance(fs, pafs.LocalFileSystem):
+        return pa.ipc.open_file(pa.memory_map(path))
+    with fs.open_input_file(path) as f:
+        return pa.ipc.open_file(pa.py_buffer(f.read()))

@@ -310,13 +310,8 @@ def read(uri: str, sizes: Sequence[int], tag: str, json_uri: str) -> tuple[Vocab
     the file is missing or belongs to another fit."""
     from . import storage
 
-    fs, path = storage.filesystem(uri)
     try:
-        if isinstance(fs, pa.fs.LocalFileSystem):
-            reader = pa.ipc.open_file(pa.memory_map(path))
-        else:
-            with fs.open_input_file(path) as f:
-                reader = pa.ipc.open_file(pa.py_buffer(f.read()))
+        reader = storage.open_arrow_file(uri)
     except (OSError, pa.ArrowInvalid) as e:
         raise PipelineError(f"'{json_uri}' keeps its vocabularies in '{uri}', which cannot be read ({e}). Copy the "
                             f"file with the JSON (they belong together), or fit again") from None

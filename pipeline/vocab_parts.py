@@ -195,15 +195,10 @@ def read_part(path: str) -> dict:
     shared by every process of the machine), read whole otherwise."""
     from . import storage
 
-    fs, base = storage.filesystem(path)
     readers = []
     for suffix in (".arrow", ".index.arrow"):
         try:
-            if isinstance(fs, pa.fs.LocalFileSystem):
-                readers.append(pa.ipc.open_file(pa.memory_map(base + suffix)))
-            else:
-                with fs.open_input_file(base + suffix) as f:
-                    readers.append(pa.ipc.open_file(pa.py_buffer(f.read())))
+            readers.append(storage.open_arrow_file(path + suffix))
         except (OSError, pa.ArrowInvalid) as e:
             raise PipelineError(f"the vocabulary part '{path}{suffix}' cannot be read ({e}). Copy the vocabulary "
                                 f"folder with the fitted state's JSON (they belong together), or fit again") from None
