@@ -200,14 +200,13 @@ def generate_daily(uri: str, days: int, rows_per_day: int, seed: int = 0, overwr
     day brings new users and items, older ones fade. Days already in the table are kept (a table written with
     other settings is refused, or written anew with overwrite): each call appends the days it lacks, as a
     production table gains a day each morning. Returns the days appended."""
+    from .errors import DataError
+
     try:
         from deltalake import DeltaTable, write_deltalake
     except ImportError:
-        from .errors import DataError
-
         raise DataError("the daily table is a Delta Lake table; writing it needs the deltalake package: pip install "
                         "'parquet-ray-pipeline[delta]' (or pip install deltalake)") from None
-    from .errors import DataError
 
     stamp = f"{_DAILY_VERSION} rows_per_day={rows_per_day} seed={seed}"
     fs, root = storage.filesystem(uri)
