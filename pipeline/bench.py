@@ -378,7 +378,7 @@ def add_parser(sub, add_config_flags) -> None:
     p.add_argument("--shards", type=int, default=None, help="preprocess: files the rows are written in (default 32 "
                                                              "for demo, 16 for criteo, 64 for --scale)")
     p.add_argument("--world", type=int, default=2, help="preprocess: ranks whose shares are transformed")
-    p.add_argument("--data", default=None, help="preprocess: where the files are (default data/bench-<rows>)")
+    p.add_argument("--data", default=None, help="preprocess: the folder under which each case's files are written, as <dataset>-<rows> (default data/bench-<dataset>-<rows>)")
     p.add_argument("--read-share", choices=["worker", "ray_data"], default="worker",
                    help="preprocess: who reads each rank's share (loader.read_share)")
     p.add_argument("--scale", default=None, metavar="ROWS,ROWS,...",
@@ -401,25 +401,27 @@ def add_parser(sub, add_config_flags) -> None:
     p.set_defaults(handler=_cmd, no_config=True)
 
 
+def _outputs(args, name: str) -> None:
+    """Where a mode's JSON and PNG go: under runs/<name>/ unless --out says (never the repository root);
+    the PNG beside the JSON unless --plot says."""
+    if args.out == "bench.json":
+        args.out = os.path.join("runs", name, f"{name}.json")
+    if args.plot == "bench.png":
+        args.plot = os.path.splitext(args.out)[0] + ".png"
+
+
 def _cmd(cfg, args) -> int:
     if args.mode == "increments":  # outputs under a run folder, never the repository root
         from . import bench_increments
 
         args.rows = int(args.rows) if args.rows else 200_000
-        if args.out == "bench.json":
-            args.out = os.path.join("runs", "bench-increments", "bench-increments.json")
-        if args.plot == "bench.png":
-            args.plot = os.path.join("runs", "bench-increments", "bench-increments.png")
+        _outputs(args, "bench-increments")
         return bench_increments.main(args)
     if args.mode == "preprocess":
         from . import bench_preprocess
 
         args.repeats = args.repeats or 1
-        if args.out == "bench.json":  # under a run folder, never the repository root
-            args.out = os.path.join("runs", "bench-preprocess", "bench-preprocess.json")
-        if args.plot == "bench.png":
-            args.plot = os.path.join("runs", "bench-preprocess", "bench-preprocess.png")
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        _outputs(args, "bench-preprocess")
         if args.scale:
             from . import bench_scale
 

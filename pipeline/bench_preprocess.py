@@ -161,7 +161,10 @@ def _at_priority(nice: int) -> int:
 
 def _rank_read(plan, rank: int, how: str, nice: int | None = None) -> dict:
     """One rank's share through the code a Ray Train worker runs (read_rank: in this process, or from
-    Ray Data tasks with how = ray_data), with its process's memory sampled every 20 ms."""
+    Ray Data tasks with how = ray_data), with its process's memory sampled every 0.1 s."""
+    import ray.train  # noqa: F401 - what a Ray Train worker has loaded before its share (pandas among it,
+    # which pyarrow imports at its first pa.array of a numpy array: 0.2 to 0.5 s in a fresh process)
+
     from . import dataset, ray_side  # noqa: F401 - torch and the readers, loaded as in a training worker
     from .ingest import read_rank
 
@@ -175,7 +178,9 @@ def _rank_read(plan, rank: int, how: str, nice: int | None = None) -> dict:
         while not done.is_set():
             u, p = _memory()
             peak[0], peak[1] = max(peak[0], u), max(peak[1], p)
-            time.sleep(0.02)
+            # every 0.1 s: a read of smaps_rollup costs about 2 ms of the GIL in a Ray worker, and every
+            # 20 ms it took a tenth of the rank's own time
+            done.wait(0.1)
 
     threading.Thread(target=sample, daemon=True).start()
     t0 = time.perf_counter()
@@ -337,7 +342,7 @@ def run_cases(todo: list[tuple[str, int]], shards: int | None, world: int, data_
     figures; several: under "cases" (the first one's also at the top, as run() gives them)."""
     if len(todo) == 1:
         d, n = todo[0]
-        return run(n, shards or SHARDS[d], world, data_dir, repeats, how, d)
+        return run(n, shards or SHARDS[d], world, None if data_dir is None else f"{data_dir}/{d}-{n}", repeats, how, d)
     runs = []
     for d, n in todo:  # the files first (written once, kept under data/)
         runs.append(run(n, shards or SHARDS[d], world, None if data_dir is None else f"{data_dir}/{d}-{n}", 0, how, d))

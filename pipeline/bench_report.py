@@ -15,6 +15,7 @@ def report(res: dict, table_of: Callable[[dict], str], plot_to: Callable[[dict, 
     with open(args.out, "w") as f:
         json.dump(res, f, indent=2)
     if args.plot:
+        os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
         plot_to(res, args.plot)
     print(f"\nwrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
     return 0
