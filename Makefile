@@ -63,7 +63,7 @@ test-oldest-ray: $(OLDEST_VENV)/.installed
 	$(OLDEST_VENV)/bin/python -m pytest -q $(XDIST) -p no:cacheprovider $(OLDEST_TESTS)
 
 bench: setup
-	$(BIN)/python -m pipeline bench --out bench.json --plot bench.png
+	$(BIN)/python -m pipeline bench  # writes runs/bench-loader/bench-loader.json and .png
 
 clean:
 	rm -rf runs data/demo .pytest_cache .venv-ray-*

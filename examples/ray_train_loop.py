@@ -137,7 +137,7 @@ def main() -> None:
         ray.init()
     else:  # every worker's State API is this Ray's, never another on the machine (docs/api.md)
         ray.init(address="local", num_cpus=max(4, most + 2),
-                 runtime_env={"worker_process_setup_hook": "pipeline.runtime.setup_worker"})
+                 runtime_env={"worker_process_setup_hook": "pipeline.cluster.runtime.setup_worker"})
     warm = None
     if args.since:  # only what the table gained after the previous plan's version; its ids kept
         previous = pipeline.IngestPlan.load(os.path.join(args.since, "plan.pkl"))

@@ -32,6 +32,11 @@ _WHERE = {
 }
 
 
+from ._moved import install as _install_moved  # noqa: E402
+
+_install_moved()  # the flat layout's module paths (pickled plans, saved states, hooks) still import
+
+
 def __getattr__(name: str):
     if name == "load_config":
         from .config import load

@@ -58,7 +58,7 @@ def cmd_generate(cfg: config_mod.Config, args) -> int:
 
 
 def cmd_validate(cfg: config_mod.Config, args) -> int:
-    from . import source
+    from .read import source
     from .errors import DataError
 
     # Collect every bad file (not just the first), then apply the configured policy.
@@ -86,7 +86,7 @@ def _deep(src) -> list[tuple[str, int, str]]:
     """Decode every page of every row group (no Ray), with a progress bar; print each damaged one."""
     from tqdm.auto import tqdm
 
-    from . import source
+    from .read import source
 
     damaged = []
     total = sum(len(s.row_group_rows) for s in src.shards)
@@ -103,7 +103,9 @@ def _deep(src) -> list[tuple[str, int, str]]:
 
 
 def cmd_fit(cfg: config_mod.Config, args) -> int:
-    from . import runtime, storage, train
+    from . import storage
+    from .cluster import runtime
+    from .job import driver as train
 
     runtime.init_ray(cfg)
     train.prepare_run(cfg, storage.join(cfg.run.output, train.run_name(cfg)), cfg.train.workers)
@@ -112,7 +114,7 @@ def cmd_fit(cfg: config_mod.Config, args) -> int:
 
 def summary_table(summary: dict) -> str:
     """The train job's closing table: one value and baseline column per target, one row per epoch."""
-    from .train import target_metrics
+    from .job.evaluate import target_metrics
 
     rows, targets = summary["epochs"], summary["targets"]
     lines, cols = [""], []  # cols: (header, value key, baseline key), per target and metric
@@ -134,7 +136,8 @@ def summary_table(summary: dict) -> str:
 
 
 def cmd_train(cfg: config_mod.Config, args) -> int:
-    from . import runtime, train
+    from .cluster import runtime
+    from .job import driver as train
 
     summary = train.run(cfg, started=COMMAND_START, start_ray=functools.partial(runtime.init_ray, train=True),
                         starts_private_ray=runtime.address(cfg) == "local")

@@ -34,13 +34,13 @@ from . import config as config_mod
 from . import storage
 from .config import Config
 from .errors import ConfigError, DataError, NoUsableRows, PipelineError
-from .plan import Piece, plan_shares, rank_sizes
-from .counts import partitions_for as shuffle_partitions
-from .preprocess import FittedPreprocessor, coverage_lines, shuffle_columns
-from .quality import Accounting
-from .source import Source, inspect, list_reasons
-from .tasks import ReadSpec, merge_fit
-from .vocab_parts import keep_beyond_session
+from .feed.plan import Piece, plan_shares, rank_sizes
+from .fit.counts import partitions_for as shuffle_partitions
+from .fit.preprocess import FittedPreprocessor, coverage_lines, shuffle_columns
+from .read.quality import Accounting
+from .read.source import Source, inspect, list_reasons
+from .cluster.tasks import ReadSpec, merge_fit
+from .fit.vocab_parts import keep_beyond_session
 
 _PLAN_FORMAT = "pipeline.IngestPlan/1"
 _SECTIONS = ("data", "quality", "preprocess")  # where prepare()'s keyword arguments are looked up
@@ -117,7 +117,7 @@ class IngestPlan:
 
         With loader.read_share = "worker" (the default) each rank reads its own share, so the plan adds
         no dataset: Ray Train then starts no Ray Data machinery at all unless you pass datasets."""
-        from . import ray_side
+        from .cluster import ray_side
 
         if datasets and ray_side.DATASET in datasets:
             raise ConfigError(f"the dataset name '{ray_side.DATASET}' is taken by the ingest plan; rename your dataset")
@@ -165,7 +165,7 @@ class IngestPlan:
         vocabularies go beside it as their parts' files (`vocab-<digest>/`), which the pickle names: every
         process that loads the plan (torchrun ranks of a node) maps the same pages instead of holding a
         copy, and the pickle stays small. Copy the folder with the plan."""
-        from . import fitted_io
+        from .fit import fitted_io
 
         uri = os.path.abspath(uri) if storage.is_local(uri) else uri
         fitted = fitted_io.on_files(self.fitted, uri)  # no object refs
@@ -351,9 +351,9 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
     spec = read_spec(cfg, src)
     on_ray = _fit_on_ray(cfg.run.fit_on) if use_ray is None else use_ray
     if on_ray:
-        from . import ray_side as side
+        from .cluster import ray_side as side
     else:
-        from . import local_side as side  # type: ignore[no-redef]
+        from .cluster import local_side as side  # type: ignore[no-redef]
     t1 = time.perf_counter()
     reuse = fit_from or cfg.run.fit_from
     saved = load_fit(reuse, cfg, src) if reuse else None
@@ -373,7 +373,7 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
             records, shuffled = side.fit_records(src, spec, cfg.run.stall_timeout_s), None
         total, acct = merge_fit(records, src)
         if shuffled is None and fitted is None:  # the shuffle here, every count kept for prepare(since=...)
-            from .history import CountHistory
+            from .fit.history import CountHistory
 
             here, kept = CountHistory.fit(total.categories, shuffle_columns(src.columns, p.vocab_max_size,
                                                                             p.vocab_min_count), partitions, total.rows)
@@ -410,7 +410,8 @@ def prepare(path: str | None = None, *, world_size: int | None = None, config: C
 def _prepare_since(path, since, world_size, config, use_ray, data) -> IngestPlan:
     """prepare(since=...): the rows the source gained after the previous plan's version (increments.py),
     fitted by extending the previous fitted state (history.py), planned like any other rows."""
-    from . import history, increments
+    from .fit import history
+    from .read import increments
 
     prev = IngestPlan.load(since) if isinstance(since, (str, Path)) else since
     if not isinstance(prev, IngestPlan):
@@ -476,10 +477,10 @@ def _prepare_since(path, since, world_size, config, use_ray, data) -> IngestPlan
 def _records(src: Source, spec: ReadSpec, cfg: Config, on_ray: bool) -> list:
     """The fit tasks' records with their category counts (an increment extends the counts here)."""
     if on_ray:
-        from . import ray_side
+        from .cluster import ray_side
 
         return ray_side.fit_records(src, spec, cfg.run.stall_timeout_s)[0]
-    from . import local_side
+    from .cluster import local_side
 
     return local_side.fit_records(src, spec, cfg.run.stall_timeout_s)
 
@@ -634,8 +635,8 @@ def rank_data(plan: IngestPlan, *, batch_size: int | None = None, seed: int | No
     across the ranks, see sampler.py)."""
     import torch
 
-    from .loader import DeviceLoader
-    from .sampler import BatchSampler, resume_span, upgrade
+    from .feed.loader import DeviceLoader
+    from .feed.sampler import BatchSampler, resume_span, upgrade
 
     if plan.empty:
         raise PipelineError(f"the plan is empty: {plan.describe()[0].removeprefix('[fit] ')}. Test plan.empty before "
@@ -658,13 +659,13 @@ def rank_data(plan: IngestPlan, *, batch_size: int | None = None, seed: int | No
     if launcher == "ray":
         import ray.train
 
-        from . import ray_side
+        from .cluster import ray_side
 
         ranks_on_node = ray.train.get_context().get_local_world_size()
         if cfg.loader.read_share == "worker":
             read_here = " (read in this worker: loader.read_share = worker)"
         elif ray_side.cpus()[0] >= 1:
-            from .runtime import quiet_ray_data
+            from .cluster.runtime import quiet_ray_data
 
             quiet_ray_data(progress=False)  # a shard of an already planned read: no bars, no banner per rank
             iterator = ray.train.get_dataset_shard(ray_side.DATASET)
@@ -699,7 +700,7 @@ def read_rank(plan: IngestPlan, rank: int, iterator=None, ranks_on_node: int = 1
     process, seconds, where the rows live): rank's share from a Ray DataIterator (the plan's DataConfig
     made it) or, without one, read in this process; each block is written straight into the rank's
     packed tensors as it arrives, whose sizes the plan knows up front."""
-    from .dataset import Layout, RowWriter
+    from .feed.dataset import Layout, RowWriter
 
     cfg, f = plan.config, plan.fitted
     layout = Layout(f.num_features, len(f.categorical), len(f.targets), 1 if f.weight else 0)
@@ -712,11 +713,11 @@ def read_rank(plan: IngestPlan, rank: int, iterator=None, ranks_on_node: int = 1
         writers[val].add(*part)
 
     if iterator is not None:
-        from . import ray_side
+        from .cluster import ray_side
 
         local, secs = ray_side.receive(iterator, sink, rank, sum(planned), cfg.run.stall_timeout_s)
     else:
-        from . import local_side
+        from .cluster import local_side
 
         local, secs = local_side.read_share(plan, rank, sink, ranks_on_node)
     return writers[False].finish(), writers[True].finish(), local, secs, where

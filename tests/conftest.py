@@ -6,14 +6,14 @@ import os
 
 import pytest
 
-from pipeline.runtime import LOOPBACK_ONLY, report_poll_interval  # noqa: E402
+from pipeline.cluster.runtime import LOOPBACK_ONLY, report_poll_interval  # noqa: E402
 
 # Every Ray a test starts (here, in subprocesses, `ray start`, Cluster) listens on loopback only, so
 # token authentication can be off for them: `ray job submit` and the clusters must agree on it.
 os.environ.update(LOOPBACK_ONLY)
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-# Ray Train's report poll as the job sets it for a Ray it starts (pipeline.runtime.REPORT_POLL_S): the Rays
+# Ray Train's report poll as the job sets it for a Ray it starts (pipeline.cluster.runtime.REPORT_POLL_S): the Rays
 # the tests start (ray_local, Cluster, `ray start`) inherit it.
 report_poll_interval()
 
@@ -48,14 +48,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def ray_local():
     """A private local Ray (address='local': never joins a leftover cluster), shut down at the end; its workers
-    set up as those of the job's private Ray without a dashboard (pipeline.runtime)."""
+    set up as those of the job's private Ray without a dashboard (pipeline.cluster.runtime)."""
     import ray
 
-    from pipeline.runtime import quiet_ray_data
+    from pipeline.cluster.runtime import quiet_ray_data
 
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING",
-                 runtime_env={"worker_process_setup_hook": "pipeline.runtime.setup_worker_without_dashboard"})
+                 runtime_env={"worker_process_setup_hook": "pipeline.cluster.runtime.setup_worker_without_dashboard"})
     quiet_ray_data(progress=False)
     yield ray
     ray.shutdown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.dataset import TabularDataset
+from pipeline.feed.dataset import TabularDataset
 
 
 def numbered_dataset(n: int, features: int = 3, cats: int = 2, first_id: int = 0) -> TabularDataset:
@@ -42,8 +42,8 @@ def expected_batches(n: int, world: int, batch: int, epochs: int, seed: int = 0,
     ranks' training-row counts and the steps per epoch. The demo data has no row the quality screen
     drops, so the training rows are the row ids the hold-out keeps, and rank r owns positions
     [r*N/world, (r+1)*N/world) of them."""
-    from pipeline.plan import holdout_mask, rank_bounds
-    from pipeline.sampler import BatchSampler
+    from pipeline.feed.plan import holdout_mask, rank_bounds
+    from pipeline.feed.sampler import BatchSampler
 
     ids = np.arange(n, dtype=np.int64)
     train_ids = ids[~holdout_mask(ids, val_fraction, val_seed)]

@@ -15,7 +15,8 @@ import pytest
 
 from conftest import make_config
 import pipeline
-from pipeline import cli, source
+from pipeline import cli
+from pipeline.read import source
 from pipeline.demo import _shard
 from pipeline.errors import DataError
 
@@ -171,7 +172,7 @@ def test_files_from_other_writers(tmp_path, writer, ray_local):
 
 def transformed_ids(plan) -> list[int]:
     """Row ids of every row the plan's pieces yield, read and transformed by Ray Data tasks."""
-    from pipeline import ray_side
+    from pipeline.cluster import ray_side
 
     pieces = [p for r in range(plan.world_size) for p in plan.pieces(r)]
     return [int(r["row_id"]) for r in ray_side.share_dataset(plan.spec, plan.fitted, pieces)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import pipeline
-from pipeline.ray_side import watched
+from pipeline.cluster.ray_side import watched
 
 REPO = Path(__file__).resolve().parents[1]
 

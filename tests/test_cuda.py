@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from helpers import numbered_dataset, rows_of
-from pipeline.loader import DeviceLoader
-from pipeline.sampler import BatchSampler
+from pipeline.feed.loader import DeviceLoader
+from pipeline.feed.sampler import BatchSampler
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 

@@ -3,7 +3,7 @@ clean one-paragraph error, or quarantine with every row accounted for; never a t
 changed values that the row group's footer statistics could have told.
 
 Runs without Ray (pipeline.prepare / rank_data in this process), so hundreds of seeded damages take
-seconds; the Ray path shares the same per-row-group code (pipeline/tasks.py).
+seconds; the Ray path shares the same per-row-group code (pipeline/cluster/tasks.py).
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def test_encrypted_files_are_reported_as_encrypted(tmp_path, plaintext_footer):
 @pytest.mark.ray
 def test_a_row_group_damaged_after_the_fit_reaches_the_rank_as_one_paragraph(tmp_path, ray_local):
     """A Ray Data task's error arrives as our DataError (not Ray's nested task errors), naming the file."""
-    from pipeline import ray_side
+    from pipeline.cluster import ray_side
 
     d = tmp_path / "data"
     d.mkdir()

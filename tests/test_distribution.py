@@ -10,9 +10,9 @@ import pytest
 from conftest import make_config
 from helpers import numbered_dataset, rows_of
 from pipeline.demo import _shard
-from pipeline.loader import DeviceLoader
-from pipeline.plan import plan_shares, rank_bounds, rank_sizes
-from pipeline.sampler import BatchSampler
+from pipeline.feed.loader import DeviceLoader
+from pipeline.feed.plan import plan_shares, rank_bounds, rank_sizes
+from pipeline.feed.sampler import BatchSampler
 
 LAYOUTS = {
     "fewer_files_than_ranks": [700],
@@ -50,7 +50,7 @@ def shares_through_ray(path, world, whole=False, val_fraction=0.0):
     import ray
 
     import pipeline
-    from pipeline import local_side, ray_side
+    from pipeline.cluster import local_side, ray_side
 
     key = (path, world, whole, val_fraction)
     if key not in _PLANS:
@@ -80,7 +80,7 @@ def shares_through_ray(path, world, whole=False, val_fraction=0.0):
 def test_plan_shares_cuts_usable_rows_into_contiguous_ranges(world, whole):
     """Over fragments yielding varied numbers of usable rows (some none, after drops or quarantine),
     rank r's pieces are exactly positions [r*N/W, (r+1)*N/W) of the usable rows, in order."""
-    from pipeline.source import Fragment
+    from pipeline.read.source import Fragment
 
     rng = np.random.default_rng(world)
     frags, used, start = [], {}, 0
@@ -180,7 +180,7 @@ def test_order_is_identical_in_another_process():
     import subprocess
     import sys
 
-    code = ("from pipeline.sampler import BatchSampler;"
+    code = ("from pipeline.feed.sampler import BatchSampler;"
             "s=BatchSampler(1000, 10, seed=9, rank=1, rank_sizes=[1000, 1000]);"
             "s.set_epoch(3); print(s.order(3)[:50].tolist())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -195,7 +195,7 @@ def test_users_own_datasets_are_kept_and_split_beside_the_plan(ray_local, layout
     import ray
 
     import pipeline
-    from pipeline import ray_side
+    from pipeline.cluster import ray_side
 
     own = ray.data.range(100)
     worker = pipeline.prepare(config=make_config(layouts["even"]), world_size=2)  # ranks read their own shares

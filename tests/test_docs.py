@@ -153,7 +153,7 @@ def test_the_daily_loop_of_continuous_md_runs_and_each_day_trains_on_its_rows(ra
     from pipeline.cli import _config_from, build_parser, cmd_generate
     from pipeline.job import warm
     from pipeline.job.model import Optimizers, build_model
-    from pipeline.train import run
+    from pipeline.job.driver import run
 
     loop = [c for p, c in COMMANDS if p == "docs/continuous.md" and "configs/daily.toml" in c]
     assert len(loop) == 6

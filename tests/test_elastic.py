@@ -15,9 +15,9 @@ import pytest
 import pipeline
 from conftest import make_config
 from helpers import numbered_dataset, rows_of
-from pipeline.loader import DeviceLoader
-from pipeline.plan import rank_bounds, rank_sizes
-from pipeline.sampler import BatchSampler, resume_span, upgrade
+from pipeline.feed.loader import DeviceLoader
+from pipeline.feed.plan import rank_bounds, rank_sizes
+from pipeline.feed.sampler import BatchSampler, resume_span, upgrade
 
 
 def loaders(n: int, world: int, batch: int, *, global_: bool, drop_last: bool, state=None, seed: int = 3):

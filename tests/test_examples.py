@@ -107,7 +107,7 @@ def test_torchrun_resumes_on_another_number_of_processes_with_every_row_once(dat
     the plain 3-process epoch."""
     import numpy as np
 
-    from pipeline.plan import holdout_mask
+    from pipeline.feed.plan import holdout_mask
 
     ids = np.arange(12_000)
     train = set(ids[~holdout_mask(ids, 0.1, 0)].tolist())

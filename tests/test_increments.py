@@ -15,7 +15,7 @@ from deltalake import DeltaTable, QueryBuilder, write_deltalake
 
 import pipeline
 from pipeline.errors import DataError, PipelineError
-from pipeline.increments import Range
+from pipeline.read.increments import Range
 
 SETTINGS = dict(label="y", numeric=["x"], categorical=["cat"], passthrough=["id", "x"], vocab_min_count=2,
                 vocab_max_size=1_000_000, val_fraction=0.1)

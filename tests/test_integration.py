@@ -11,10 +11,11 @@ import pandas as pd
 
 import pipeline
 from conftest import make_config
-from pipeline import storage, train
-from pipeline.dataset import TabularDataset
-from pipeline.plan import holdout_mask
-from pipeline.preprocess import FittedPreprocessor
+from pipeline import storage
+from pipeline.job import driver as train
+from pipeline.feed.dataset import TabularDataset
+from pipeline.feed.plan import holdout_mask
+from pipeline.fit.preprocess import FittedPreprocessor
 
 pytestmark = pytest.mark.ray
 
@@ -38,7 +39,7 @@ def test_distributed_fit_equals_single_process_fit(ray_local, demo_dir):
 
 
 def test_training_path_arrays_equal_serving_path(ray_local, demo_dir, tmp_path):
-    from pipeline import ray_side
+    from pipeline.cluster import ray_side
 
     plan = pipeline.prepare(config=make_config(demo_dir, **{"data.label": ["label", "segment", "spend"],
                                                             "data.passthrough": ["city"]}), world_size=1)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from helpers import contiguous_sizes, numbered_dataset, rows_of
-from pipeline.dataset import Batch, TabularDataset
-from pipeline.plan import holdout_mask
+from pipeline.feed.dataset import Batch, TabularDataset
+from pipeline.feed.plan import holdout_mask
 from pipeline.errors import PipelineError
-from pipeline.loader import DeviceLoader
-from pipeline.sampler import BatchSampler
+from pipeline.feed.loader import DeviceLoader
+from pipeline.feed.sampler import BatchSampler
 
 
 def make_loader(n, batch, *, seed=0, shuffle=True, drop_last=False, rank=0, sizes=None, first_id=0):
@@ -166,7 +166,7 @@ def test_worker_loader_same_rows_as_device_loader_and_resumes(workers):
     ref = make_loader(n, b, seed=5)
     ref.set_epoch(1)
     expected = [rows_of(x) for x in ref]
-    from pipeline.loader import WorkerLoader
+    from pipeline.feed.loader import WorkerLoader
 
     wl = WorkerLoader(numbered_dataset(n), BatchSampler(n, b, seed=5, drop_last=False), num_workers=workers,
                       persistent_workers=False)
@@ -186,7 +186,7 @@ def _double_labels(batch):
 
 
 def test_worker_loader_runs_the_transform_in_workers():
-    from pipeline.loader import WorkerLoader
+    from pipeline.feed.loader import WorkerLoader
 
     wl = WorkerLoader(numbered_dataset(100), BatchSampler(100, 10, shuffle=False), transform=_double_labels,
                       num_workers=2, persistent_workers=False)
@@ -231,7 +231,7 @@ def test_last_index_names_the_rows_of_the_batch_just_delivered():
 def test_spilled_dataset_is_file_backed_and_serves_the_same_batches(tmp_path):
     import gc
 
-    from pipeline.dataset import alloc_rows
+    from pipeline.feed.dataset import alloc_rows
 
     parts, layout = packed_parts(range(0, 500, 50), 50)
     mem = TabularDataset.from_parts(parts, layout)

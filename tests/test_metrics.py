@@ -1,12 +1,12 @@
 """The built-in job's validation metrics that are not plain averages: ROC AUC from score histograms
-summed over ranks (pipeline.train.binned_auc), checked against the exact pairwise definition."""
+summed over ranks (pipeline.job.evaluate.binned_auc), checked against the exact pairwise definition."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pipeline.train import AUC_BINS, binned_auc
+from pipeline.job.evaluate import AUC_BINS, binned_auc
 
 
 def exact_auc(scores: np.ndarray, labels: np.ndarray) -> float:

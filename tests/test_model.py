@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipeline import Config
-from pipeline.train import Optimizers, TabularMLP
+from pipeline.job.model import Optimizers, TabularMLP
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])

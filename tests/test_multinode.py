@@ -73,7 +73,9 @@ CLUSTER_SCRIPT = textwrap.dedent('''
     summary = {"events": []}
     try:
         import ray.train
-        from pipeline import config, runtime, train
+        from pipeline import config
+        from pipeline.job import driver as train
+        from pipeline.cluster import runtime
 
         overrides = {"data.path": data, "run.output": out, "run.name": "mn", "run.ray_address": cluster.address,
                      "train.epochs": %(epochs)d, "train.batch_size": %(batch)d, "train.num_workers": %(world)d,
@@ -347,7 +349,7 @@ def test_cluster_spreads_ranks_and_splits_rows_exactly(plain_run):
     assert first["share_rows_local"] == first["share_rows"], first
 
     check_rows_and_steps(text, summary, expected, sizes, steps)
-    # Every worker's State API is this cluster's, never another Ray on the machine (pipeline.runtime.setup_worker:
+    # Every worker's State API is this cluster's, never another Ray on the machine (pipeline.cluster.runtime.setup_worker:
     # the run joined through run.ray_address, whose runtime env names it). Unpinned, Ray Train's placement-group
     # cleaner went to the Ray started last on the machine, saying so on every check.
     assert "Found multiple active Ray instances" not in text, text[-4000:]
@@ -454,7 +456,7 @@ def test_elastic_run_shrinks_on_node_loss_and_grows_back_with_every_row_once_per
     its next resize, from a checkpoint the one worker saved (the one-worker attempt holds after two of them
     until that resize comes: held_loop in the cluster script). The row ids the ranks consumed show every
     training row exactly once per epoch (less the drop_last remainder of the epoch's last stretch)."""
-    from pipeline.plan import holdout_mask
+    from pipeline.feed.plan import holdout_mask
 
     summary, text, run_dir = run_on_cluster(tmp_path, "elastic")
     assert [next(iter(ev)) for ev in summary["events"]] == ["lost", "added"], (summary["events"], text[-4000:])

@@ -6,8 +6,8 @@ import pyarrow as pa
 import pytest
 
 from helpers import vocab_order
-from pipeline.columns import Columns, Target
-from pipeline.preprocess import FittedPreprocessor, PartialStats, partial_stats
+from pipeline.fit.columns import Columns, Target
+from pipeline.fit.preprocess import FittedPreprocessor, PartialStats, partial_stats
 
 NUM = ["a", "b", "const", "ints"]
 CAT = ["color", "code"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import runtime
+from pipeline.cluster import runtime
 
 
 def _moved():
@@ -47,7 +47,8 @@ def test_elastic_training_is_refused_in_one_paragraph_where_this_ray_has_none():
     import ray
     from ray.train import ScalingConfig
 
-    from pipeline import PipelineError, config, train
+    from pipeline import PipelineError, config
+    from pipeline.job import driver as train
 
     elastic = config.load("configs/demo.toml", {"train.num_workers": [1, 2]})
     assert train.check_elastic(config.load("configs/demo.toml", {}), ScalingConfig, ray.__version__) is False
@@ -62,7 +63,7 @@ def test_elastic_training_is_refused_in_one_paragraph_where_this_ray_has_none():
 
 
 def test_the_report_poll_is_ray_trains_own_setting_and_a_users_value_wins(monkeypatch):
-    """pipeline.runtime sets how often Ray Train's controller polls its workers (a rank's next report waits
+    """pipeline.cluster.runtime sets how often Ray Train's controller polls its workers (a rank's next report waits
     for the poll) through Ray Train's own environment variable: it must still be that variable on this Ray,
     and the job's runtime env and the RayJob set the same one."""
     import yaml

@@ -6,7 +6,7 @@ lives; Ray resolves no address to the cluster started last on the machine. With 
 another job's private Ray) started after the job's, the cleaner asked that other cluster, found no such
 controller and removed the live run's placement group: every training worker was killed and the job failed
 (reproduced by hand with `ray start --head --include-dashboard=true` beside a running `train`).
-pipeline.runtime.setup_worker pins RAY_ADDRESS in every worker to its own cluster.
+pipeline.cluster.runtime.setup_worker pins RAY_ADDRESS in every worker to its own cluster.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import runtime
+from pipeline.cluster import runtime
 
 pytestmark = [pytest.mark.ray]
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +32,9 @@ SCRIPT = textwrap.dedent('''
     from ray._private import services, utils
     from ray.dashboard.utils import get_address_for_submission_client
 
-    from pipeline import config, runtime
+    from pipeline import config
+
+    from pipeline.cluster import runtime
 
     @ray.remote(num_cpus=0)
     def resolves_to():  # what every address-less lookup in a worker resolves to: the cluster, the State API

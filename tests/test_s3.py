@@ -118,7 +118,8 @@ def test_storage_uses_the_endpoint_from_the_environment(s3_env):
 
 def test_source_reads_footers_and_fragments_from_s3(s3_demo):
     """Shard paths come back from the filesystem as bucket/key and are opened as such."""
-    from pipeline import config, source
+    from pipeline import config
+    from pipeline.read import source
 
     cfg = config.load(None, {"data.path": s3_demo})
     src = source.inspect(cfg)

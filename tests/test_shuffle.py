@@ -1,4 +1,4 @@
-"""The partitioned count shuffle (pipeline/counts.py) behind every fit's vocabularies: the ids are the
+"""The partitioned count shuffle (pipeline/fit/counts.py) behind every fit's vocabularies: the ids are the
 documented order (most rows, then FNV-1a hash, then text) cut at max_size and min_count, the same for
 any number of hash ranges and with Ray or without; the coverage figures equal a direct count; a lookup
 loads only the parts it touches; what leaves a reducer is sizes and histograms, never a value."""
@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from helpers import fnv1a64, vocab_order
-from pipeline import counts
-from pipeline.columns import Columns, Target
-from pipeline.preprocess import FittedPreprocessor, PartialStats, partial_stats
-from pipeline.transforms import CategoricalOp
+from pipeline.fit import counts
+from pipeline.fit.columns import Columns, Target
+from pipeline.fit.preprocess import FittedPreprocessor, PartialStats, partial_stats
+from pipeline.fit.transforms import CategoricalOp
 
 
 def heavy_tailed(n: int, distinct: int, seed: int) -> pd.DataFrame:
@@ -194,7 +194,7 @@ def test_a_full_disk_is_one_paragraph_naming_the_file_and_the_size(tmp_path, mon
 def test_a_full_object_store_is_one_paragraph_naming_the_sizes_and_the_fix():
     import ray
 
-    from pipeline.ray_side import _fit_failure
+    from pipeline.cluster.ray_side import _fit_failure
 
     e = _fit_failure(ray.exceptions.ObjectStoreFullError("Failed to put object abc in object store because it is "
                                                          "full. Object size is 2147483648 bytes.\nmore lines"))
@@ -229,16 +229,18 @@ def test_a_saved_plan_names_its_vocabulary_files_and_loading_maps_them(tmp_path)
 
 
 def test_a_fitted_state_pickled_when_the_parts_lived_in_vocab_py_still_loads():
-    """Parts and PartedVocabulary moved from pipeline/vocab.py to pipeline/vocab_parts.py; a plan pickled
-    before (its classes named pipeline.vocab.*) unpickles to the same vocabularies."""
+    """Parts and PartedVocabulary moved from pipeline/vocab.py to pipeline/vocab_parts.py, and both then to
+    pipeline/fit/ (the stage folders); a plan pickled before either move (its classes named pipeline.vocab.*)
+    unpickles to the same vocabularies, as does one pickled between them (pipeline.vocab_parts.*)."""
     df = heavy_tailed(3_000, 1_000, seed=4)
     fitted = fit(df, columns(), 4, max_size=10**6)
     blob = pickle.dumps(fitted, protocol=0)  # text opcodes: the module names can be rewritten in place
-    assert b"pipeline.vocab_parts\n" in blob
-    old = pickle.loads(blob.replace(b"pipeline.vocab_parts\n", b"pipeline.vocab\n"))
-    assert type(old.vocab[0]).__module__ == "pipeline.vocab_parts"
+    assert b"pipeline.fit.vocab_parts\n" in blob
     table = pa.Table.from_pandas(df.head(200), preserve_index=False)
-    np.testing.assert_array_equal(old.transform(table).x_cat, fitted.transform(table).x_cat)
+    for then in (b"pipeline.vocab\n", b"pipeline.vocab_parts\n"):
+        old = pickle.loads(blob.replace(b"pipeline.fit.vocab_parts\n", then))
+        assert type(old.vocab[0]).__module__ == "pipeline.fit.vocab_parts"
+        np.testing.assert_array_equal(old.transform(table).x_cat, fitted.transform(table).x_cat)
 
 
 def test_counts_merged_by_threads_as_they_come_equal_one_merge_and_a_mask_equals_a_filter():
@@ -247,7 +249,7 @@ def test_counts_merged_by_threads_as_they_come_equal_one_merge_and_a_mask_equals
     the filtered batches in order."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from pipeline.stats import CountTables
+    from pipeline.fit.stats import CountTables
 
     df = heavy_tailed(40_000, 3_000, seed=5)
     cols = columns()
@@ -286,7 +288,7 @@ _AFTER_SHUTDOWN = r"""
 import json, sys
 import numpy as np, pyarrow as pa, pyarrow.parquet as pq, ray
 import pipeline
-from pipeline import vocab_parts
+from pipeline.fit import vocab_parts
 
 path, out, inline = sys.argv[1], sys.argv[2], sys.argv[3] == "inline"
 if not inline:

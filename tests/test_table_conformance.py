@@ -19,7 +19,7 @@ import pytest
 
 import pipeline
 from iceberg_deletes import write_delete_snapshot
-from pipeline.columns import family
+from pipeline.fit.columns import family
 from pipeline.errors import DataError, NoUsableRows, PipelineError
 
 DATA = Path(__file__).parent / "data"
@@ -125,7 +125,8 @@ def pyiceberg_rows(metadata: str) -> pa.Table:
 
 
 def current_metadata(root: Path) -> str:
-    from pipeline import storage, tables
+    from pipeline import storage
+    from pipeline.read import tables
 
     fs, path = storage.filesystem(str(root))
     return tables._iceberg_metadata(fs, path)
@@ -374,7 +375,7 @@ def test_on_ray_deletes_and_column_mapping_give_the_same_fit_and_rows(ray_local)
     """The Ray path (fit tasks, each rank's share read by tasks) carries each row group's deletes and the
     table's column names to the tasks: the same fit as in one process, and every rank's rows together are
     deltalake's rows."""
-    from pipeline import ray_side
+    from pipeline.cluster import ray_side
 
     path = str(DELTA_RS / "table_with_deletion_logs")  # Databricks: deletion vectors over 98 of its rows
     keys = dict(label="", val_fraction=0.0, settings={"train.drop_last": False})

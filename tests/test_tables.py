@@ -20,7 +20,7 @@ import pytest
 from deltalake import DeltaTable, QueryBuilder, write_deltalake
 
 import pipeline
-from pipeline import tables
+from pipeline.read import tables
 from pipeline.errors import DataError, NoUsableRows, PipelineError
 
 

@@ -221,7 +221,7 @@ def test_numbers_float64_cannot_hold_are_converted_not_a_traceback(tmp_path):
 
 
 def test_an_unexpected_error_in_a_task_is_one_paragraph_naming_file_and_row_group(tmp_path, monkeypatch):
-    from pipeline import tasks
+    from pipeline.cluster import tasks
 
     path = write(tmp_path, pa.table(base()))
 

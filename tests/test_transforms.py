@@ -1,4 +1,4 @@
-"""Per-column transforms (pipeline/transforms.py): each apply checked against a plain numpy reference,
+"""Per-column transforms (pipeline/fit/transforms.py): each apply checked against a plain numpy reference,
 the hash against a pure-Python FNV-1a, the sketch's quantiles against exact ones within its stated
 error, and the whole recipe bit-identical between training (the rank's packed rows), serving
 (FittedPreprocessor.transform) and a saved-and-loaded preprocessor."""
@@ -15,8 +15,8 @@ import pytest
 
 import pipeline
 from pipeline.errors import DataError
-from pipeline.preprocess import FittedPreprocessor
-from pipeline.transforms import SKETCH_ALPHA, Sketch, cross_hash, fnv1a, hashed_ids
+from pipeline.fit.preprocess import FittedPreprocessor
+from pipeline.fit.transforms import SKETCH_ALPHA, Sketch, cross_hash, fnv1a, hashed_ids
 
 
 def fnv1a_reference(text: str, h: int = 0xCBF29CE484222325) -> int:
@@ -152,7 +152,7 @@ def test_categorical_encodings_and_crosses(fitted_recipe):
     cov = f.stats["categorical"]["C1"]
     assert cov["unknown_share"] == 0.0 and cov["hashed_share"] == pytest.approx(len(rest) / sum(counts.values()))
     assert cov["shared_bucket_share"] == pytest.approx(shared(rest, 32) * len(rest) / sum(counts.values()))
-    from pipeline.preprocess import coverage_lines
+    from pipeline.fit.preprocess import coverage_lines
 
     lines = coverage_lines(f, 1000, 1)
     assert f"'C2' {len(set(c2)):,} values hashed into 64 buckets" in lines[0]
@@ -196,9 +196,9 @@ def test_a_wrong_transform_is_refused_naming_the_column_and_what_is_allowed(tmp_
 def test_minmax_clip_and_constant_fill():
     import pyarrow as pa
 
-    from pipeline.columns import Columns
-    from pipeline.preprocess import partial_stats
-    from pipeline.transforms import NumericOp
+    from pipeline.fit.columns import Columns
+    from pipeline.fit.preprocess import partial_stats
+    from pipeline.fit.transforms import NumericOp
 
     v = np.array([-5.0, 0.0, 2.0, 7.0, 100.0, np.nan])
     op = NumericOp(clip_min=0.0, clip_max=10.0, scale="minmax", fill="constant", fill_value=5.0)

@@ -11,11 +11,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from pipeline.columns import category_ids
+from pipeline.fit.columns import category_ids
 from pipeline.errors import PipelineError
-from pipeline.preprocess import FittedPreprocessor
-from pipeline.transforms import fnv1a
-from pipeline.vocab import Vocabulary, build_index, index_size
+from pipeline.fit.preprocess import FittedPreprocessor
+from pipeline.fit.transforms import fnv1a
+from pipeline.fit.vocab import Vocabulary, build_index, index_size
 from test_preprocess import fit_local, frame
 
 

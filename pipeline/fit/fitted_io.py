@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from . import storage
+from .. import storage
 from . import vocab as vocab_file
-from .errors import DataError
+from ..errors import DataError
 from .fitted import FittedTarget
 from .stats import categorical_ops, numeric_ops
 from .transforms import CategoricalOp, NumericOp, user_function

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-from .errors import PipelineError
+from ..errors import PipelineError
 
 
 def _counts(growth: Any, columns: Sequence[str] | None) -> tuple[list[int], list[int], list[int]]:

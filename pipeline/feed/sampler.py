@@ -22,7 +22,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .errors import PipelineError
+from ..errors import PipelineError
 
 
 def steps_per_epoch(rank_sizes: Sequence[int], batch_size: int, drop_last: bool) -> int:

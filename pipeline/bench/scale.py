@@ -42,7 +42,7 @@ def _peak_rss() -> int:
 
 
 def _keys(partitions: int | str) -> dict:
-    from .bench_preprocess import _dlrm_keys
+    from .preprocess import _dlrm_keys
 
     # every value kept; every row fitted (no validation hold-out), as the hand-written pass counts them all
     return _dlrm_keys() | {"vocab_min_count": 1, "vocab_partitions": partitions, "val_fraction": 0.0}
@@ -97,7 +97,7 @@ def handwritten_counts(path: str) -> None:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from .demo import CRITEO_CATEGORICAL
+    from ..demo import CRITEO_CATEGORICAL
 
     paths = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".parquet"))
     t0 = time.perf_counter()
@@ -131,8 +131,8 @@ def run(sizes: list[int], shards: int, partitions: int | str, check_ids: bool, d
     import ray
     from ray.cluster_utils import Cluster
 
-    from . import demo
-    from .runtime import loopback_only
+    from .. import demo
+    from ..cluster.runtime import loopback_only
 
     loopback_only()
     node = dict(num_cpus=1, object_store_memory=3 * 1024**3, node_ip_address="127.0.0.1")
@@ -212,7 +212,7 @@ def plot(res: dict, path: str) -> None:
 
 
 def main(args) -> int:
-    from .bench_report import report
+    from .report import report
 
     sizes = [int(float(x)) for x in args.scale.split(",")]
     res = run(sizes, args.shards, args.partitions, not args.no_check_ids, args.data)

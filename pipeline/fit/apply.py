@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .columns import as_float64, as_string, category_ids
-from .errors import DataError
+from ..errors import DataError
 from .fitted import FittedTarget, Transformed
 from .stats import categorical_ops, feature_values, numeric_ops
 from .transforms import CategoricalOp, apply_function, apply_numeric, cross_hash, fnv1a, hashed_ids

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from .columns import as_string, decoded
-from .errors import DataError
+from ..errors import DataError
 
 SCALERS = ("standardize", "minmax", "bucketize", "none")
 FILLS = ("mean", "median", "zero", "constant")

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .config import CHUNK_MIB
+from ..config import CHUNK_MIB
 from .dataset import Batch, TabularDataset
 from .sampler import BatchSampler
 

@@ -17,8 +17,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 
-from .errors import PipelineError
-from .vocab import _SHARED_LOCK, Vocabulary, _ray_job, index_size
+from ..errors import PipelineError
+from .vocab import _SHARED_LOCK, Vocabulary, _ray_job, index_size, partition_of
 
 
 PARTS_FORMAT = "pipeline.VocabularyParts/1"
@@ -104,7 +104,7 @@ class Parts:
             self.backup = [pickle.loads(pickle.dumps(dict(p))) for p in ray.get(self.sources)]
             return
         self.write(folder_uri, names, tag)
-        from . import storage
+        from .. import storage
 
         self.backup = [storage.join(folder_uri, f"part-{q:05d}") for q in range(len(self))]
 
@@ -123,7 +123,7 @@ class Parts:
         """Every part as two Arrow IPC files in folder_uri: part-<q>.arrow (one record batch {value, hash,
         id} per column) and part-<q>.index.arrow (the hash indexes). Under Ray a part in the object
         store is written by a task on this node, so this process never holds it."""
-        from . import storage
+        from .. import storage
 
         paths = [storage.join(folder_uri, f"part-{q:05d}") for q in range(len(self))]
         refs = [q for q, s in enumerate(self.sources) if _is_ref(s)] if self.live else []
@@ -168,7 +168,7 @@ def _load_part(source) -> dict:
 
 def write_part(path: str, part: dict, names: list[str], tag: str) -> None:
     """One part as path.arrow and path.index.arrow, each written to a temporary name and moved."""
-    from . import storage
+    from .. import storage
 
     fs, base = storage.filesystem(path)
     if "/" in base:
@@ -193,7 +193,7 @@ def write_part(path: str, part: dict, names: list[str], tag: str) -> None:
 def read_part(path: str) -> dict:
     """A part file's {column: (values, hashes, ids, index)}: memory-mapped when local (the pages are
     shared by every process of the machine), read whole otherwise."""
-    from . import storage
+    from .. import storage
 
     readers = []
     for suffix in (".arrow", ".index.arrow"):
@@ -212,7 +212,7 @@ def read_part(path: str) -> dict:
 
 def part_tag(path: str) -> str | None:
     """The digest a part file was written with (its metadata), None when it cannot be read."""
-    from . import storage
+    from .. import storage
 
     fs, base = storage.filesystem(path)
     try:
@@ -250,7 +250,6 @@ class PartedVocabulary(Sequence[str]):
         return self._digest
 
     def ids(self, strings: pa.Array) -> np.ndarray:
-        from .counts import partition_of
         from .transforms import fnv1a
 
         out = np.zeros(len(strings), np.int32)

@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .columns import Columns, decoded
-from .errors import DataError
-from .plan import Piece, holdout_mask
-from .preprocess import FittedPreprocessor, PartialStats, partial_stats
-from .quality import Accounting, screen
-from .source import DamagedRowGroup, Fragment, Source, in_file, opened, read_fragment
-from .transforms import apply_function
+from ..fit.columns import Columns, decoded
+from ..errors import DataError
+from ..feed.plan import Piece, holdout_mask
+from ..fit.preprocess import FittedPreprocessor, PartialStats, partial_stats
+from ..read.quality import Accounting, screen
+from ..read.source import DamagedRowGroup, Fragment, Source, in_file, opened, read_fragment
+from ..fit.transforms import apply_function
 
 ROW_ID = "__row_id"
 
@@ -133,8 +133,8 @@ def fit_group_split(spec: ReadSpec, frags: list[Fragment], columns: list, partit
     """fit_group, with the group's category counts taken out of its records and split by hash range
     (counts.split): (records, part 0, ..., part P-1). Under Ray each part is a return value of its own,
     left in the object store for its reducer."""
-    from . import counts as shuffle
-    from .columns import count_merge
+    from ..fit import counts as shuffle
+    from ..fit.columns import count_merge
 
     records = fit_group(spec, frags)
     tables: dict[str, list] = {c.name: [] for c in columns}

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import tasks
-from .errors import StallError, find_pipeline_error
+from ..errors import StallError, find_pipeline_error
 
 DATASET = "pipeline"  # the name under which the plan's rows reach Ray Train workers
 
@@ -77,7 +77,7 @@ def _fit_group(spec: tasks.ReadSpec, group: list, columns: list, partitions: int
 
 
 def _reduce(columns: list, partition: int, *parts: dict) -> tuple[dict, dict]:
-    from . import counts
+    from ..fit import counts
 
     _fail_once("reduce_counts", partition)
     summary, merged = counts.reduce_counts(parts, columns)
@@ -94,7 +94,7 @@ def _memory_now() -> dict[str, int]:
 
 
 def _finalize(columns: list, merged: dict, cut: dict) -> tuple[dict, dict]:
-    from . import counts
+    from ..fit import counts
 
     summary, part = counts.finalize(merged, cut, columns)
     summary["_memory"] = _memory_now()
@@ -144,7 +144,7 @@ def _fit_failure(e: BaseException) -> BaseException:
         return inner
     full = (ray.exceptions.ObjectStoreFullError, ray.exceptions.OutOfDiskError, ray.exceptions.OutOfMemoryError)
     if isinstance(e, full) or isinstance(getattr(e, "cause", None), full):
-        from .errors import PipelineError
+        from ..errors import PipelineError
 
         try:
             stores = ", ".join(f"{n['NodeManagerAddress']}: {n.get('Resources', {}).get('object_store_memory', 0) / 2**30:.1f} GiB"
@@ -192,7 +192,7 @@ def fit_records(source, spec: tasks.ReadSpec, stall_s: float = 300.0, shuffle: t
     summaries = _wait_all({s: q for q, s in enumerate(first)}, stall_s, "count reducers", partitions)
     summaries = [summaries[q] for q in range(partitions)]
     t2 = time.perf_counter()
-    from . import counts
+    from ..fit import counts
 
     finalize = ray.remote(_finalize).options(name="finalize_vocabulary", num_returns=2, **opts)
     second, parts = zip(*(finalize.remote(cols_ref, m, k) for m, k in zip(merged, counts.cuts(summaries, columns))))

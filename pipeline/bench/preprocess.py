@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .config import DEMO_CATEGORICAL, DEMO_NUMERIC
+from ..config import DEMO_CATEGORICAL, DEMO_NUMERIC
 
 LABEL = "label"
 
@@ -85,7 +85,7 @@ def handwritten_dlrm(paths: list[str]) -> dict:
     categorical value (per file with pyarrow, merged as Arrow tables), pass 2 packs the rows: counts
     with nulls as 0, negatives as 0, log(1 + x); categories with a frequency threshold of 3 (ids by
     frequency, 0 for the rest and for nulls); the label."""
-    from .demo import CRITEO_CATEGORICAL, CRITEO_NUMERIC
+    from ..demo import CRITEO_CATEGORICAL, CRITEO_NUMERIC
 
     numeric, categorical = list(CRITEO_NUMERIC), list(CRITEO_CATEGORICAL)
     t0 = time.perf_counter()
@@ -121,7 +121,7 @@ def handwritten_dlrm(paths: list[str]) -> dict:
 
 
 def _dlrm_keys() -> dict:
-    from .demo import CRITEO_CATEGORICAL, CRITEO_NUMERIC
+    from ..demo import CRITEO_CATEGORICAL, CRITEO_NUMERIC
 
     return dict(numeric=list(CRITEO_NUMERIC), categorical=list(CRITEO_CATEGORICAL), vocab_max_size=100_000_000,
                 vocab_min_count=3, missing_indicator=False,
@@ -165,8 +165,9 @@ def _rank_read(plan, rank: int, how: str, nice: int | None = None) -> dict:
     import ray.train  # noqa: F401 - what a Ray Train worker has loaded before its share (pandas among it,
     # which pyarrow imports at its first pa.array of a numpy array: 0.2 to 0.5 s in a fresh process)
 
-    from . import dataset, ray_side  # noqa: F401 - torch and the readers, loaded as in a training worker
-    from .ingest import read_rank
+    from ..feed import dataset
+    from ..cluster import ray_side  # noqa: F401 - torch and the readers, loaded as in a training worker
+    from ..ingest import read_rank
 
     ran_at = _at_priority(nice) if nice is not None else None
 
@@ -206,7 +207,7 @@ def project(path: str, world: int, how: str, dataset: str = "demo") -> dict:
 
     import pipeline
 
-    from .runtime import loopback_only, quiet_ray_data
+    from ..cluster.runtime import loopback_only, quiet_ray_data
 
     if not ray.is_initialized():
         loopback_only()
@@ -242,7 +243,7 @@ def project(path: str, world: int, how: str, dataset: str = "demo") -> dict:
 
 def run(rows: int, shards: int, world: int, data_dir: str | None, repeats: int, how: str = "worker",
         dataset: str = "demo") -> dict:
-    from . import demo
+    from .. import demo
 
     path = data_dir or (f"data/bench-{rows}" if dataset == "demo" else f"data/bench-{dataset}-{rows}")
     t0 = time.perf_counter()
@@ -375,7 +376,7 @@ def summary(res: dict) -> str:
 
 
 def main(args) -> int:
-    from .bench_report import report
+    from .report import report
 
     res = run_cases(cases(args.dataset, args.rows), args.shards, args.world, args.data, args.repeats, args.read_share)
     return report(res, lambda r: "\n\n".join([*(table(c) for c in r.get("cases", [r])), summary(r)]),

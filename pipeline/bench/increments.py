@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from . import demo
+from .. import demo
 
 
 def _auc(y: np.ndarray, p: np.ndarray) -> float:
@@ -46,7 +46,7 @@ def _train(model, optimizer, plan, epochs: int, batch: int, seed: int) -> float:
     import pipeline
     import torch
 
-    from .job.model import batch_loss
+    from ..job.model import batch_loss
 
     t0 = time.perf_counter()
     data = pipeline.rank_data(plan, batch_size=batch, device="cpu", seed=seed, rank=0, world_size=1)
@@ -79,9 +79,9 @@ def run(days: int, rows: int, epochs: int, batch: int, data: str, seed: int = 0)
 
     import pipeline
 
-    from .config import load
-    from .ingest import build_config
-    from .job.model import build_model
+    from ..config import load
+    from ..ingest import build_config
+    from ..job.model import build_model
 
     demo.generate_daily(data, days, rows, seed)
     cfg = load(None, {"data.path": data, "data.label": "clicked", "data.numeric": list(demo.DAILY_NUMERIC),
@@ -185,7 +185,7 @@ def plot(res: dict, path: str) -> None:
 
 
 def main(args) -> int:
-    from .bench_report import report
+    from .report import report
 
     data = args.data or f"data/bench-daily-{args.rows}"
     return report(run(args.days, args.rows, args.epochs, args.batch_size, data), table, plot, args)

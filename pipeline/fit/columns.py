@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .errors import DataError
+from ..errors import DataError
 
 KINDS = ("binary", "multiclass", "regression")
 

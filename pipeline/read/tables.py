@@ -33,8 +33,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from . import storage
-from .errors import DataError, PipelineError
+from .. import storage
+from ..errors import DataError, PipelineError
 
 _LEVELS_UP = 6  # how far above data.path a table root is looked for (a partition folder sits a few down)
 

@@ -20,7 +20,7 @@ def _threads(n: int, sharing: int = 1) -> int:
 def fit_records(source, spec: tasks.ReadSpec, stall_s: float = 0.0) -> list[tuple]:
     """fit_group over every group on threads. The category counts are merged by the threads as they go
     (stats.CountTables) and handed to the first record with statistics, so merge_fit only sums numbers."""
-    from .stats import CountTables
+    from ..fit.stats import CountTables
 
     groups = tasks.fragment_groups(source.fragments)
     counts = CountTables()

@@ -75,7 +75,7 @@ def alloc_rows(n: int, width: int, *, pin: bool = False, spill_dir: str | None =
             try:  # reserve the blocks now: a full disk is then an error here, not a SIGBUS mid-training
                 os.posix_fallocate(fd, 0, max(1, n * width * 4))
             except OSError as e:
-                from .errors import PipelineError
+                from ..errors import PipelineError
 
                 raise PipelineError(f"cannot reserve {n * width * 4 / 2**30:.1f} GiB in '{spill_dir}' for this rank's "
                                     f"rows ({e.strerror}); point loader.spill_dir at a local disk with room, or "
@@ -121,7 +121,7 @@ class RowWriter:
     def add(self, rows: np.ndarray, ids: np.ndarray, extra: dict[str, np.ndarray] | None = None) -> None:
         k = len(ids)
         if self.at + k > self.n:
-            from .errors import DataError
+            from ..errors import DataError
 
             raise DataError(f"received more {self.what} than the {self.n:,} planned; was data.path modified during "
                             f"the run?")
@@ -133,7 +133,7 @@ class RowWriter:
 
     def finish(self, *, sort: bool = True) -> "TabularDataset":
         if self.at != self.n:
-            from .errors import DataError
+            from ..errors import DataError
 
             raise DataError(f"received {self.at:,} {self.what} but {self.n:,} were planned; was data.path modified "
                             f"during the run?")

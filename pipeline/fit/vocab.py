@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .errors import PipelineError
+from ..errors import PipelineError
 
 FILE_FORMAT = "pipeline.Vocabularies/1"
 _CHUNK = 1 << 20  # values hashed at a time (a slice's text stays under 2 GiB for string offsets)
@@ -228,6 +228,13 @@ def value_hashes(values: pa.Array) -> np.ndarray:
     return out
 
 
+def partition_of(h: np.ndarray, partitions: int) -> np.ndarray:
+    """int64 [n]: the hash range of each 64-bit hash: floor(h * P / 2**64), on the high 32 bits (the
+    low bits pick a vocabulary's index slot; see build_index): the count shuffle's ranges and the
+    partitioned vocabulary's parts."""
+    return (((h >> np.uint64(32)) * np.uint64(partitions)) >> np.uint64(32)).astype(np.int64)
+
+
 def index_size(n: int) -> int:
     """Home slots for n values: the next power of two at or above 2n (at least 2)."""
     return 1 << max(1, int(2 * n - 1).bit_length()) if n else 2
@@ -289,7 +296,7 @@ def digest(vocabs: Sequence) -> str:
 def write(uri: str, vocabs: Sequence[Vocabulary], names: Sequence[str], tag: str) -> None:
     """The vocabularies as an Arrow IPC file (uncompressed, so it can be memory-mapped), written to a
     temporary name and moved into place."""
-    from . import storage
+    from .. import storage
 
     fs, path = storage.filesystem(uri)
     text = pa.string() if all(v.values.nbytes < 2**31 for v in vocabs) else pa.large_string()  # as read: no cast
@@ -308,7 +315,7 @@ def read(uri: str, sizes: Sequence[int], tag: str, json_uri: str) -> tuple[Vocab
     """The vocabularies of a saved fit: memory-mapped when the file is local (the pages are shared by
     every process of the machine that reads it), read whole otherwise. Refused in one paragraph when
     the file is missing or belongs to another fit."""
-    from . import storage
+    from .. import storage
 
     try:
         reader = storage.open_arrow_file(uri)
@@ -332,17 +339,3 @@ def read(uri: str, sizes: Sequence[int], tag: str, json_uri: str) -> tuple[Vocab
 
 def file_name(tag: str) -> str:
     return f"vocab-{tag}.arrow"
-
-
-# The partitioned vocabularies of a fit by the count shuffle live in vocab_parts.py. Their old home was
-# here: a plan pickled before the move names pipeline.vocab.Parts / PartedVocabulary, and still loads.
-_MOVED = ("Parts", "PartedVocabulary", "PARTS_FORMAT", "write_part", "read_part", "part_tag", "column_digest",
-          "as_vocabularies")
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        from . import vocab_parts
-
-        return getattr(vocab_parts, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

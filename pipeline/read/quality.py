@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .columns import Columns, as_float64, as_matrix
-from .errors import DataError
+from ..fit.columns import Columns, as_float64, as_matrix
+from ..errors import DataError
 
 _EXPECTED = {"numeric": "a finite number", "categorical": "a non-null category", "weight": "a finite number >= 0"}
 

@@ -31,8 +31,9 @@ from urllib.parse import unquote
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import storage, tables
-from .errors import DataError, PipelineError
+from .. import storage
+from . import tables
+from ..errors import DataError, PipelineError
 
 _CDF_DIR = "_pipeline_increments"
 _CDF_KEEP = ("insert", "update_postimage")

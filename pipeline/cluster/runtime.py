@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .config import Config
+from ..config import Config
 
 # Ray internals this module reaches into, each for speed or quieter output only. Every use goes through
 # optional(): where an internal is missing or has moved (another Ray release), the project works the
@@ -181,7 +181,7 @@ def join(address: str, kwargs: dict) -> None:
     be reached is one paragraph with the address and the fix, never Ray's traceback."""
     import ray
 
-    from .errors import PipelineError
+    from ..errors import PipelineError
 
     host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
     tries = [False, True] if host in ("127.0.0.1", "localhost", "::1") else [False]

@@ -16,7 +16,7 @@ import numpy as np
 from . import counts as shuffle
 from . import vocab as vocab_file
 from .columns import Columns
-from .errors import DataError
+from ..errors import DataError
 from .stats import PartialStats, categorical_ops, numeric_ops, shuffle_columns
 from .transforms import CategoricalOp, FittedNumeric, NumericOp, cross_name, fit_numeric
 from .vocab import Vocabulary

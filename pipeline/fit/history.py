@@ -26,8 +26,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import counts, storage
-from .errors import DataError, PipelineError
+from . import counts
+from .. import storage
+from ..errors import DataError, PipelineError
 from .stats import categorical_ops, numeric_ops, shuffle_columns
 from .vocab import Vocabulary, build_index
 from .vocab_parts import Parts, PartedVocabulary, column_digest

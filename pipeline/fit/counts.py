@@ -35,6 +35,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .vocab import build_index, partition_of, value_hashes
+
 MAX_AUTO_PARTITIONS = 64
 # "auto": one hash range per 4M rows of the source, 1 to 64. Each fit task returns one object per range,
 # owned (with its lineage) by the process that plans the fit, so groups x P objects cost it memory:
@@ -49,12 +51,6 @@ def partitions_for(setting: int | str, rows: int) -> int:
     if setting != "auto":
         return int(setting)
     return int(min(MAX_AUTO_PARTITIONS, max(1, rows // ROWS_PER_PARTITION)))
-
-
-def partition_of(h: np.ndarray, partitions: int) -> np.ndarray:
-    """int64 [n]: the hash range of each 64-bit hash: floor(h * P / 2**64), on the high 32 bits (the
-    low bits pick a vocabulary's index slot; see vocab.build_index)."""
-    return (((h >> np.uint64(32)) * np.uint64(partitions)) >> np.uint64(32)).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -83,8 +79,6 @@ class Column:
 def keyed(t: pa.Table, counted: bool) -> pa.Table:
     """A count table {v, n} (v: text, or a uint64 hash for a hashed column) as {h, n[, v]}."""
     if counted:
-        from .vocab import value_hashes
-
         v = t["v"].combine_chunks() if isinstance(t["v"], pa.ChunkedArray) else t["v"]
         return pa.table({"h": pa.array(value_hashes(v), pa.uint64()), "n": t["n"], "v": v})
     return pa.table({"h": t["v"].cast(pa.uint64()), "n": t["n"]})
@@ -194,8 +188,6 @@ def finalize(merged: dict[str, pa.Table], cut: dict[str, dict], columns: Sequenc
     """(summary, part) of one hash range. part per vocabulary column: (values in id order, their
     hashes, their ids int32, the hash index); summary: values kept, rows they cover, the part's digest
     and, vocab+hash, the buckets of the values left out."""
-    from .vocab import build_index
-
     summary, part = {}, {}
     for c in columns:
         if not c.counted:

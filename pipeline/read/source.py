@@ -24,10 +24,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from . import storage, tables, transforms
-from .columns import KINDS, NUMERIC_FAMILIES, Columns, Target, common_length, family
-from .config import Config
-from .errors import DataError, NoUsableRows
+from .. import storage
+from . import tables
+from ..fit import transforms
+from ..fit.columns import KINDS, NUMERIC_FAMILIES, Columns, Target, common_length, family
+from ..config import Config
+from ..errors import DataError, NoUsableRows
 
 _SKIP_PREFIXES = ("_", ".")  # _SUCCESS, _metadata, _common_metadata, .crc files, hidden files
 _MAGIC = b"PAR1"

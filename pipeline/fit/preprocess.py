@@ -17,7 +17,8 @@ import pyarrow as pa
 
 from dataclasses import replace
 
-from . import apply, fitted_io, history, storage
+from . import apply, fitted_io, history
+from .. import storage
 from .fitted import MAX_CLASSES, UNKNOWN_WARN, FittedState, FittedTarget, Transformed, coverage_lines
 from .fitted_io import FORMAT, VERSION
 from .stats import (NumericStats, PartialStats, categorical_ops, feature_values, hash_counts, numeric_ops,
