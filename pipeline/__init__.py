@@ -24,11 +24,12 @@ __all__ = ["Batch", "BatchSampler", "Config", "ConfigError", "DataError", "Devic
            "Transformed", "WorkerLoader", "grow_embedding", "load_config", "prepare", "rank_context", "rank_data", "storage", "timed"]
 
 _WHERE = {
-    "Batch": "dataset", "TabularDataset": "dataset", "BatchSampler": "sampler", "DeviceLoader": "loader",
-    "WorkerLoader": "loader", "FittedPreprocessor": "preprocess", "Transformed": "preprocess", "IngestPlan": "ingest",
-    "RankData": "ingest", "prepare": "ingest", "rank_data": "ingest", "rank_context": "ingest",
+    "Batch": "feed.dataset", "TabularDataset": "feed.dataset", "BatchSampler": "feed.sampler",
+    "DeviceLoader": "feed.loader", "WorkerLoader": "feed.loader", "StepStats": "feed.metrics", "timed": "feed.metrics",
+    "grow_embedding": "feed.grow", "FittedPreprocessor": "fit.preprocess", "Transformed": "fit.preprocess",
+    "IngestPlan": "ingest", "RankData": "ingest", "prepare": "ingest", "rank_data": "ingest", "rank_context": "ingest",
     "PipelineError": "errors", "ConfigError": "errors", "DataError": "errors", "NoUsableRows": "errors",
-    "StallError": "errors", "Config": "config", "StepStats": "metrics", "timed": "metrics", "grow_embedding": "grow",
+    "StallError": "errors", "Config": "config",
 }
 
 

@@ -325,7 +325,7 @@ def _prepare_under_torch_distributed(rank: int, path: str, port: int, out: str) 
 
     import torch.distributed as dist
 
-    from pipeline import ingest
+    from pipeline.ingest import driver as ingest  # where prepare looks inspect up
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     flag = Path(out) / "committed"

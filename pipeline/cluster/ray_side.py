@@ -1,4 +1,4 @@
-"""The Ray parts behind `pipeline.ingest`: the distributed fit pass, each rank's read-and-transform
+"""The Ray parts behind `pipeline.ingest` (prepare and rank_data): the distributed fit pass, each rank's read-and-transform
 tasks, and the Ray Train `DataConfig` that hands every rank its share.
 
 The per-fragment work itself is in tasks.py and is the same without Ray (local_side.py).

@@ -78,7 +78,7 @@ def start_of(plan) -> Range:
 
 
 def same_settings(now: dict, then: dict) -> None:
-    """Refuse, naming them, the data/quality/preprocess settings (ingest._fit_settings) that differ from
+    """Refuse, naming them, the data/quality/preprocess settings (ingest.plan._fit_settings) that differ from
     the previous plan's: an extended fit's ids and thresholds mean something under its settings only."""
     now, then = {k: dict(v) for k, v in now.items()}, {k: dict(v) for k, v in then.items()}
     now["data"].pop("path", None), then["data"].pop("path", None)

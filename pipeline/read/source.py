@@ -94,7 +94,7 @@ class Shard:
 
     @property
     def fingerprint(self) -> list:
-        """What a saved fit checks to know the file is the one it fitted (see ingest.prepare's fit_from)."""
+        """What a saved fit checks to know the file is the one it fitted (see prepare's fit_from, ingest/plan.py's load_fit)."""
         return [self.path, self.size_bytes, self.mtime_ns, self.num_rows, list(self.row_group_rows), self.footer_bytes]
 
 
