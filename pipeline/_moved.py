@@ -18,7 +18,7 @@ import types
 
 # old module -> the modules its names live in now, looked up in this order
 MOVED: dict[str, tuple[str, ...]] = {
-    "pipeline.source": ("pipeline.read.source",),
+    "pipeline.source": ("pipeline.read.source", "pipeline.read.files", "pipeline.read.schema", "pipeline.read.row_groups"),
     "pipeline.tables": ("pipeline.read.tables",),
     "pipeline.quality": ("pipeline.read.quality",),
     "pipeline.increments": ("pipeline.read.increments",),

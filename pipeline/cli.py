@@ -86,13 +86,13 @@ def _deep(src) -> list[tuple[str, int, str]]:
     """Decode every page of every row group (no Ray), with a progress bar; print each damaged one."""
     from tqdm.auto import tqdm
 
-    from .read import source
+    from .read import row_groups
 
     damaged = []
     total = sum(len(s.row_group_rows) for s in src.shards)
     with tqdm(total=total, desc="validate --deep", unit="row group") as bar:
         for shard in src.shards:
-            for g, problem in source.deep_check(src.uri, shard):
+            for g, problem in row_groups.deep_check(src.uri, shard):
                 bar.update(1)
                 if problem:
                     damaged.append((shard.path, g, problem))

@@ -80,7 +80,7 @@ def shares_through_ray(path, world, whole=False, val_fraction=0.0):
 def test_plan_shares_cuts_usable_rows_into_contiguous_ranges(world, whole):
     """Over fragments yielding varied numbers of usable rows (some none, after drops or quarantine),
     rank r's pieces are exactly positions [r*N/W, (r+1)*N/W) of the usable rows, in order."""
-    from pipeline.read.source import Fragment
+    from pipeline.read.files import Fragment
 
     rng = np.random.default_rng(world)
     frags, used, start = [], {}, 0

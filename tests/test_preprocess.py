@@ -128,7 +128,7 @@ def test_dictionary_encoded_categorical_is_the_same_as_plain():
 
 
 def test_dictionary_columns_fit_and_transform_like_plain_ones():
-    """The reader hands string categoricals over as dictionaries (source.opened): their ids and counts
+    """The reader hands string categoricals over as dictionaries (row_groups.opened): their ids and counts
     must equal the plain column's, with nulls, unused and unseen dictionary entries, chunks with
     different dictionaries, and dictionaries of numbers (a pandas categorical of ints)."""
     df = frame(3000, 5)

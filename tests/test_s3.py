@@ -119,14 +119,14 @@ def test_storage_uses_the_endpoint_from_the_environment(s3_env):
 def test_source_reads_footers_and_fragments_from_s3(s3_demo):
     """Shard paths come back from the filesystem as bucket/key and are opened as such."""
     from pipeline import config
-    from pipeline.read import source
+    from pipeline.read import row_groups, source
 
     cfg = config.load(None, {"data.path": s3_demo})
     src = source.inspect(cfg)
     assert src.num_rows == ROWS
     assert [s.path for s in src.shards] == [f"{BUCKET}/demo/part-{i:05d}.parquet" for i in range(SHARDS)]
     frag = src.fragments[0]
-    table = source.read_fragment(s3_demo, frag, ["num_00", "city", "label"])
+    table = row_groups.read_fragment(s3_demo, frag, ["num_00", "city", "label"])
     assert table.num_rows == frag.num_rows and table.column_names == ["num_00", "city", "label"]
 
 

@@ -44,7 +44,6 @@ def _logloss(y: np.ndarray, p: np.ndarray) -> float:
 
 def _train(model, optimizer, plan, epochs: int, batch: int, seed: int) -> float:
     import pipeline
-    import torch
 
     from ..job.model import batch_loss
 

@@ -165,8 +165,8 @@ def _rank_read(plan, rank: int, how: str, nice: int | None = None) -> dict:
     import ray.train  # noqa: F401 - what a Ray Train worker has loaded before its share (pandas among it,
     # which pyarrow imports at its first pa.array of a numpy array: 0.2 to 0.5 s in a fresh process)
 
-    from ..feed import dataset
     from ..cluster import ray_side  # noqa: F401 - torch and the readers, loaded as in a training worker
+    from ..feed import dataset  # noqa: F401
     from ..ingest import read_rank
 
     ran_at = _at_priority(nice) if nice is not None else None

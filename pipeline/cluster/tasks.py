@@ -19,7 +19,9 @@ from ..errors import DataError
 from ..feed.plan import Piece, holdout_mask
 from ..fit.preprocess import FittedPreprocessor, PartialStats, partial_stats
 from ..read.quality import Accounting, screen
-from ..read.source import DamagedRowGroup, Fragment, Source, in_file, opened, read_fragment
+from ..read.files import Fragment
+from ..read.row_groups import DamagedRowGroup, in_file, opened, read_fragment
+from ..read.source import Source
 from ..fit.transforms import apply_function
 
 ROW_ID = "__row_id"
@@ -35,13 +37,13 @@ class ReadSpec:
     on_bad_value: str = "fill"
     val_fraction: float = 0.0
     val_seed: int = 0
-    schema: pa.Schema | None = None  # a Delta or Iceberg table's columns (source.read_fragment)
-    defaults: tuple = ()  # the table's values of columns added after a file was written (source.read_fragment)
+    schema: pa.Schema | None = None  # a Delta or Iceberg table's columns (row_groups.read_fragment)
+    defaults: tuple = ()  # the table's values of columns added after a file was written (row_groups.read_fragment)
 
 
 def read(spec: ReadSpec, frag: Fragment, pf=None) -> pa.Table | dict:
     """The fragment's rows with their global row ids, or (on_bad_file = quarantine) a manifest entry
-    saying why not. pf: the file, already open (source.opened)."""
+    saying why not. pf: the file, already open (row_groups.opened)."""
     fn = spec.columns.function
     try:
         table = read_fragment(spec.uri, frag, None if fn else spec.columns.read, pf, spec.schema, spec.defaults)
@@ -190,7 +192,7 @@ Part = tuple  # (packed float32 rows [k, width], global row ids [k], {pass-throu
 
 
 def extras(spec: ReadSpec, table: pa.Table) -> dict[str, np.ndarray]:
-    # A categorical that is also passed through arrives as a dictionary column (source.opened), and
+    # A categorical that is also passed through arrives as a dictionary column (row_groups.opened), and
     # to_numpy of a dictionary column is not its values where they are null: decoded first.
     return {c: decoded(table[c]).to_numpy(zero_copy_only=False) for c in spec.columns.passthrough}
 

@@ -18,7 +18,7 @@ class Piece:
     """Rows [lo, hi) of a fragment's kept training rows (val=False) or kept validation rows (val=True),
     in row order."""
 
-    fragment: Any  # source.Fragment
+    fragment: Any  # read/files.py's Fragment
     lo: int
     hi: int
     val: bool = False

@@ -104,7 +104,7 @@ def _combined(col: pa.ChunkedArray | pa.Array) -> pa.Array:
 
 def decoded(col: pa.ChunkedArray | pa.Array) -> pa.ChunkedArray | pa.Array:
     """A dictionary column as its values (string categoricals are read as dictionaries, see
-    source.opened); any other column as it is."""
+    row_groups.opened); any other column as it is."""
     return pc.dictionary_decode(col) if pa.types.is_dictionary(col.type) else col
 
 

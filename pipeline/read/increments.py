@@ -94,7 +94,7 @@ def gained(cfg, prev) -> tuple[tables.Snapshot | None, list[str] | None, Range]:
     """What the source at cfg.data.path gained after the previous plan `prev`: (a table's files as a
     Snapshot, or None; the paths to read instead (a folder's new files, the change data feed's rows),
     or None; the range). Refused: another source, a column of the previous fit the table dropped."""
-    from .source import list_shards
+    from .files import list_shards
 
     start, uri = start_of(prev), cfg.data.path
     fmt = "iceberg" if cfg.data.catalog else tables.find(uri)
