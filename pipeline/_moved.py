@@ -19,7 +19,7 @@ import types
 # old module -> the modules its names live in now, looked up in this order
 MOVED: dict[str, tuple[str, ...]] = {
     "pipeline.source": ("pipeline.read.source", "pipeline.read.files", "pipeline.read.schema", "pipeline.read.row_groups"),
-    "pipeline.tables": ("pipeline.read.tables",),
+    "pipeline.tables": ("pipeline.read.tables", "pipeline.read.snapshot", "pipeline.read.delta", "pipeline.read.iceberg"),
     "pipeline.quality": ("pipeline.read.quality",),
     "pipeline.increments": ("pipeline.read.increments",),
     "pipeline.columns": ("pipeline.fit.columns",),

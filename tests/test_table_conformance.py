@@ -126,10 +126,10 @@ def pyiceberg_rows(metadata: str) -> pa.Table:
 
 def current_metadata(root: Path) -> str:
     from pipeline import storage
-    from pipeline.read import tables
+    from pipeline.read import iceberg
 
     fs, path = storage.filesystem(str(root))
-    return tables._iceberg_metadata(fs, path)
+    return iceberg.metadata_file(fs, path)
 
 
 def duckdb_tables() -> list[tuple[Path, Path]]:

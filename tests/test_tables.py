@@ -20,7 +20,7 @@ import pytest
 from deltalake import DeltaTable, QueryBuilder, write_deltalake
 
 import pipeline
-from pipeline.read import tables
+from pipeline.read import delta
 from pipeline.errors import DataError, NoUsableRows, PipelineError
 
 
@@ -154,9 +154,9 @@ def test_column_mapping_is_applied_and_unknown_delta_features_are_refused_by_nam
         def protocol(self):
             return Protocol()
 
-    assert "someFutureFeature" in tables._delta_unsupported(Marked())
+    assert "someFutureFeature" in delta.unsupported(Marked())
     Protocol.reader_features = ["deletionVectors", "columnMapping"]
-    assert tables._delta_unsupported(Marked()) is None
+    assert delta.unsupported(Marked()) is None
 
 
 @pytest.fixture()

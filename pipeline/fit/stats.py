@@ -93,7 +93,6 @@ class PartialStats:
             out.target_moments[k] = self.target_moments.get(k, NumericStats()).merge(o.target_moments.get(k, NumericStats()))
         return out
 
-
     def counts(self, c: str) -> pa.Table:
         """Categorical column c's counts over every batch merged: {v, n}."""
         return count_merge(self.categories.get(c, []))

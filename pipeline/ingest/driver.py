@@ -25,8 +25,6 @@ from .worker import _default_world, _torch_dist
 _SECTIONS = ("data", "quality", "preprocess")  # where prepare()'s keyword arguments are looked up
 
 
-
-
 def build_config(config: Config | str | Path | None = None, path: str | None = None, **settings: Any) -> Config:
     """A Config from a Config, a TOML file or the defaults, with keyword overrides: a data, quality or
     preprocess key by its bare name (label=, numeric=, on_bad_value=, ...) or any key by its dotted

@@ -116,8 +116,6 @@ def spill_dir_for(cfg: Config, rows: int, width: int, ranks_on_node: int = 1) ->
     return d, f"memory-mapped from files in {d} ({why})"
 
 
-
-
 @dataclass
 class RankData:
     """This rank's rows and loader. `train`/`val` are TabularDatasets (packed rows in row-id order);

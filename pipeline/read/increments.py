@@ -32,7 +32,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import storage
+from . import iceberg as iceberg_format
 from . import tables
+from .snapshot import s3_options
 from ..errors import DataError, PipelineError
 
 _CDF_DIR = "_pipeline_increments"
@@ -186,7 +188,7 @@ def delta(uri: str, start: Range, version: str) -> tuple[tables.Snapshot, Range,
         return replace(snap, files=()), replace(rng, how="nothing new"), None
     from deltalake import DeltaTable
 
-    table = DeltaTable(snap.root, version=b, storage_options=tables._s3_options(uri) or None)
+    table = DeltaTable(snap.root, version=b, storage_options=s3_options(uri) or None)
     if (table.metadata().configuration or {}).get("delta.enableChangeDataFeed", "").lower() == "true":
         folder, rows = _materialise_cdf(uri, table, snap, a, b)
         return replace(snap, files=()), replace(rng, how=f"the change data feed ({rows:,} rows)"), folder if rows else None
@@ -337,10 +339,10 @@ def iceberg(uri: str, start: Range, version: str, catalog: str) -> tuple[tables.
     except ValueError as e:
         raise DataError(f"the Iceberg table '{uri}' cannot list what was appended after snapshot {a} up to {b} ({e}). "
                         f"{_FULL[0].upper() + _FULL[1:]}") from None
-    deletes, specs = tables._IcebergDeletes(uri, int(b), table.io), table.specs()
+    deletes, specs = iceberg_format.Deletes(uri, int(b), table.io), table.specs()
     schema = table.schema()
     files = tuple(sorted((tables.TableFile(storage.filesystem(t.file.file_path)[1], t.file.record_count,
-                                           tables._iceberg_partition(schema, specs.get(t.file.spec_id), t.file.partition),
+                                           iceberg_format.partition_values(schema, specs.get(t.file.spec_id), t.file.partition),
                                            deletes.of(t.file.file_path, t.delete_files)) for t in tasks),
                          key=lambda f: f.path))
     notes = tuple(f"snapshot {s.snapshot_id} ({s.summary.operation.value}) adds no row: an increment reads append "
@@ -357,8 +359,8 @@ def _iceberg_table(uri: str, catalog: str):
     from pyiceberg.table import StaticTable
 
     fs, path = storage.filesystem(uri)
-    meta = storage.to_uri(fs, tables._iceberg_metadata(fs, path))
-    return StaticTable.from_metadata(meta if "://" in meta else f"file://{meta}", tables._iceberg_properties())
+    meta = storage.to_uri(fs, iceberg_format.metadata_file(fs, path))
+    return StaticTable.from_metadata(meta if "://" in meta else f"file://{meta}", iceberg_format.properties())
 
 
 def _between(table, a: int, b: int) -> list:
