@@ -14,8 +14,8 @@ from test_examples import BIN, run
 @pytest.mark.slow
 @pytest.mark.parametrize("example", ["torchrun", "ray"])
 def test_both_loops_run_two_increments_warm_started_from_the_day_before(tmp_path, example):
-    """The daily loop in a user's own code: day 1 in full with --out, then days 2 and 3 each with --since the
-    day before: each plans only its day's rows (prepare(since=)), grows the previous model's embeddings
+    """The daily loop in a user's own code: day 1 in full with --out, then days 2 and 3 (under Ray Train day 2
+    only: each Ray run starts a Ray of its own, ~35 s) each with --since the day before: each plans only its day's rows (prepare(since=)), grows the previous model's embeddings
     (pipeline.grow_embedding: one nn.Embedding per column under Ray Train, one nn.EmbeddingBag of blocks under
     torchrun) and trains on. A day with nothing new trains nothing and keeps the model."""
     import pyarrow.compute as pc
@@ -30,7 +30,7 @@ def test_both_loops_run_two_increments_warm_started_from_the_day_before(tmp_path
                                        "--checkpoint-every", "0", "--storage", str(tmp_path / "runs")]
     common = [*launch, "--data", table, "--label", "clicked", "--epochs", "1", "--batch-size", "128"]
     sizes = []
-    for day in (1, 2, 3):
+    for day in (1, 2, 3) if example == "torchrun" else (1, 2):
         demo.generate_daily(table, day, 2500)
         since = ["--since", str(tmp_path / f"day{day - 1}")] if day > 1 else []
         out = run([*common, "--out", str(tmp_path / f"day{day}"), *since], timeout=400)
@@ -41,7 +41,7 @@ def test_both_loops_run_two_increments_warm_started_from_the_day_before(tmp_path
             assert f"rows added after version {day - 2} up to version {day - 1}" in out, out[-3000:]
         saved = torch.load(tmp_path / f"day{day}" / "model.pt", weights_only=False)["model"]
         sizes.append(sum(v.shape[0] for k, v in saved.items() if k.startswith("embedding")))
-    assert sizes[0] < sizes[1] < sizes[2]  # the tables grew with the new users and items
+    assert all(a < b for a, b in zip(sizes, sizes[1:]))  # the tables grew with the new users and items
     if example == "ray":  # the empty day once is enough (each Ray run starts a Ray of its own)
         return
     out = run([*common, "--out", str(tmp_path / "day4"), "--since", str(tmp_path / "day3")])
