@@ -58,6 +58,8 @@ def assert_transforms_like_saved(fitted) -> None:
 
 def _moved(path: str) -> str:
     old = EXPECTED["saved_from"]
+    if path.startswith(str(HERE) + "/"):  # IngestPlan.load found it beside the plan already
+        return path
     assert path == old or path.startswith(old + "/"), f"{path!r} is not under the folder the plan was saved from"
     return str(HERE) + path[len(old):]
 
@@ -96,7 +98,10 @@ def vocab_lists(fitted) -> dict[str, list[str]]:
 
 @pytest.fixture()
 def plan():
-    return relocated(pipeline.IngestPlan.load(str(HERE / "plan.pkl")))
+    loaded = pipeline.IngestPlan.load(str(HERE / "plan.pkl"))
+    sources = [s for v in loaded.fitted.vocab if hasattr(v, "parts") for s in v.parts.sources] + loaded.fitted.history.sources
+    assert sources and all(s.startswith(str(HERE) + "/") for s in sources), sources  # found beside the plan by load
+    return relocated(loaded)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,3 +195,22 @@ def test_plan_round_trip_save(plan, tmp_path):
     assert_transforms_like_saved(again.fitted)
     fmt, plain = pickle.load(io.BytesIO(Path(uri).read_bytes()))
     assert fmt == PLAN_FORMAT and type(plain) is pipeline.IngestPlan
+
+
+def test_a_saved_plan_moved_to_another_folder_loads_and_transforms_from_there(plan, tmp_path):
+    """plan.save's folder copied elsewhere (a run folder moved to another disk or bucket) and the original
+    removed: IngestPlan.load reads the vocabulary and count parts beside the plan."""
+    import shutil
+
+    first = tmp_path / "first"
+    first.mkdir()
+    plan.save(str(first / "plan.pkl"))
+    moved = tmp_path / "moved"
+    shutil.copytree(first, moved)
+    shutil.rmtree(first)
+    again = pipeline.IngestPlan.load(str(moved / "plan.pkl"))
+    sources = [s for v in again.fitted.vocab if hasattr(v, "parts") for s in v.parts.sources] + again.fitted.history.sources
+    assert sources and all(s.startswith(str(moved) + "/") for s in sources), sources
+    assert vocab_lists(again.fitted) == EXPECTED["vocab"]
+    assert_transforms_like_saved(again.fitted)
+    assert_counts(again.fitted.history)

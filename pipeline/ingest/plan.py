@@ -140,7 +140,7 @@ class IngestPlan:
         """Pickle the plan to a file or URI (load it with IngestPlan.load in the same code version). The
         vocabularies go beside it as their parts' files (`vocab-<digest>/`), which the pickle names: every
         process that loads the plan (torchrun ranks of a node) maps the same pages instead of holding a
-        copy, and the pickle stays small. Copy the folder with the plan."""
+        copy, and the pickle stays small. Copy or move the folder with the plan: load finds them beside it."""
         from ..fit import fitted_io
 
         uri = os.path.abspath(uri) if storage.is_local(uri) else uri
@@ -159,7 +159,30 @@ class IngestPlan:
             fmt, plan = pickle.loads(f.read())
         if fmt != _PLAN_FORMAT:
             raise PipelineError(f"'{uri}' holds {fmt!r}, not {_PLAN_FORMAT!r}; prepare the plan again with this version")
+        _beside(plan, uri)
         return plan
+
+
+def _beside(plan: IngestPlan, uri: str) -> None:
+    """A plan loaded from another folder than it was saved in (a run folder copied to another machine or
+    bucket): the files its pickle names (vocab-<digest>/ and counts-<digest>/ parts, named by their content's
+    digest) are read from beside it where they are there, else from where they were saved."""
+    folder = uri.rsplit("/", 1)[0] if "/" in uri else "."
+
+    def here(path: str, suffix: str = "") -> str:
+        if not isinstance(path, str) or "/" not in path:
+            return path
+        moved = storage.join(folder, *path.rsplit("/", 2)[-2:])  # <its folder>/part-NNNNN
+        fs, p = storage.filesystem(moved + suffix)
+        return moved if storage.exists(fs, p) else path
+
+    for parts in {id(v.parts): v.parts for v in plan.fitted.vocab if hasattr(v, "parts")}.values():
+        parts.sources = [here(s, ".arrow") for s in parts.sources]
+        if parts.backup is not None:
+            parts.backup = [here(s, ".arrow") for s in parts.backup]
+    history = plan.fitted.history
+    if history is not None and history.partitions:
+        history.sources = [here(s) for s in history.sources]
 
 
 _FIT_FORMAT = "pipeline.Fit/1"
