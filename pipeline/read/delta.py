@@ -10,16 +10,7 @@ import pyarrow as pa
 
 from .. import storage
 from ..errors import DataError
-from .snapshot import (
-    Snapshot,
-    TableFile,
-    bad_version,
-    deleted_positions,
-    needs,
-    plain,
-    s3_options,
-    timestamp,
-)
+from .snapshot import Snapshot, TableFile, bad_version, deleted_positions, needs, plain, s3_options, timestamp
 
 # Delta reader features whose meaning this reader keeps: deltalake lists the files, partition values and
 # deletion vectors, and the table's schema names and types the columns (column mapping, type widening). A

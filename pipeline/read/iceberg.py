@@ -14,15 +14,7 @@ import pyarrow.fs as pafs
 
 from .. import storage
 from ..errors import DataError
-from .snapshot import (
-    Snapshot,
-    TableFile,
-    bad_version,
-    needs,
-    package_version,
-    plain,
-    timestamp,
-)
+from .snapshot import Snapshot, TableFile, bad_version, needs, package_version, plain, timestamp
 
 
 def metadata_file(fs: pafs.FileSystem, path: str) -> str:

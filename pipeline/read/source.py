@@ -22,14 +22,7 @@ from ..fit import transforms
 from ..fit.columns import Columns, Target
 from . import tables
 from .files import BadFile, Fragment, Shard, _footer, list_shards
-from .schema import (
-    _column_problem,
-    _roles,
-    _vector_dim,
-    column_types,
-    common_columns,
-    infer_features,
-)
+from .schema import _column_problem, _roles, _vector_dim, column_types, common_columns, infer_features
 
 
 @dataclass(frozen=True)
