@@ -12,10 +12,10 @@ the folder it was saved from (expected.json's "saved_from"); `relocated` points 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import io
 import json
 import pickle
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,18 +28,16 @@ EXPECTED = json.loads((HERE / "expected.json").read_text())
 PLAN_FORMAT = "pipeline.IngestPlan/1"
 
 
-def _frame():
-    """make.py's FRAME: the rows whose transform expected.npz holds."""
-    sys.path.insert(0, str(HERE))
-    try:
-        make = importlib.import_module("make")
-    finally:
-        sys.path.remove(str(HERE))
-        sys.modules.pop("make", None)
-    return make.frame()
+def fixture_script(folder: Path):
+    """A fixture folder's make.py as a module (its frame(), the rows whose transform expected.npz holds, and
+    pickled_classes()), imported by path: the script stays off sys.path and out of sys.modules."""
+    spec = importlib.util.spec_from_file_location(f"make_{folder.name.replace('-', '_')}", folder / "make.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    return make
 
 
-FRAME = _frame()
+FRAME = fixture_script(HERE).frame()
 
 
 def expected_arrays() -> dict[str, np.ndarray]:
@@ -124,8 +122,9 @@ def test_plain_pickle_loads():
 
 
 def test_public_classes_are_the_old_paths():
-    import pipeline.ingest
     import pipeline.preprocess
+
+    import pipeline.ingest
 
     assert pipeline.preprocess.FittedPreprocessor is pipeline.FittedPreprocessor
     assert pipeline.ingest.IngestPlan is pipeline.IngestPlan

@@ -14,15 +14,14 @@ elsewhere has it at another path): only the pickles, the parts beside them, and 
 from __future__ import annotations
 
 import importlib
-import io
 import json
 import pickle
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_saved_layout import fixture_script
 
 import pipeline
 
@@ -35,36 +34,13 @@ assert all(e["data_root"] == EXPECTED_ROOT for e in EXPECTED.values())
 STAGES = ("pipeline.read.", "pipeline.fit.", "pipeline.cluster.", "pipeline.feed.", "pipeline.bench.")
 
 
-def _frame():
-    """make.py's frame(): the rows whose transform each expected.npz holds."""
-    sys.path.insert(0, str(HERE))
-    try:
-        make = importlib.import_module("make")
-    finally:
-        sys.path.remove(str(HERE))
-        sys.modules.pop("make", None)
-    return make.frame()
-
-
-FRAME = _frame()
+MAKE = fixture_script(HERE)
+FRAME = MAKE.frame()  # the rows whose transform each expected.npz holds
 
 
 def resolve(path: str):
     module, name = path.rsplit(".", 1)
     return getattr(importlib.import_module(module), name)
-
-
-def pickled_classes(data: bytes) -> list[str]:
-    """Every module.qualname the pickle names (GLOBAL / STACK_GLOBAL), as the unpickler asks for them."""
-    seen: set[str] = set()
-
-    class Recording(pickle.Unpickler):
-        def find_class(self, module, name):
-            seen.add(f"{module}.{name}")
-            return super().find_class(module, name)
-
-    Recording(io.BytesIO(data)).load()
-    return sorted(seen)
 
 
 def load(name: str, folder: Path = HERE):
@@ -193,7 +169,7 @@ def test_every_pickled_class_path_resolves(path):
 @pytest.mark.parametrize("name", PLANS)
 def test_the_pickles_name_the_flat_layout(name):
     """expected.json's class paths are the pickle's own, and they are the flat layout's (no stage folder)."""
-    names = pickled_classes((HERE / name / "plan.pkl").read_bytes())
+    names = MAKE.pickled_classes((HERE / name / "plan.pkl").read_bytes())
     assert names == EXPECTED[name]["pickled_classes"]
     assert not [p for p in names if p.startswith(STAGES)], names
 
@@ -301,7 +277,7 @@ def test_plan_round_trip_save(name, tmp_path):
     assert fmt == PLAN_FORMAT and type(plain) is pipeline.IngestPlan
     from pipeline import _moved
 
-    assert not [p for p in pickled_classes(data) if p.rsplit(".", 1)[0] in _moved.MOVED], pickled_classes(data)
+    assert not [p for p in MAKE.pickled_classes(data) if p.rsplit(".", 1)[0] in _moved.MOVED], MAKE.pickled_classes(data)
 
 
 @pytest.mark.parametrize("name", PLANS)
