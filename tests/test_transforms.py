@@ -33,6 +33,15 @@ def test_the_hash_is_fnv1a_of_the_utf8_text_whatever_the_layout():
                 pa.array(values).slice(0)):
         h, ok = fnv1a(arr)
         assert [int(x) if o else None for x, o in zip(h, ok)] == want, arr.type
+    # texts all as long (hashed ids: the bytes taken as a matrix), also sliced, with a seed (a cross), and
+    # with a null or one other length among them (the general path)
+    same = ["68fd1e64", "80e26c9b", "fb936136", "7b4723c4", "25c83c98", "ê中xyz"]  # (the last: 8 bytes of UTF-8)
+    for arr in (pa.array(same), pa.array(same).slice(2), pa.array(same, pa.large_string()),
+                pa.array([*same, None]), pa.array([*same, "abc"])):
+        h, ok = fnv1a(arr)
+        assert [int(x) for x, o in zip(h, ok) if o] == [fnv1a_reference(v) for v in arr.to_pylist() if v is not None]
+    seed = np.array([fnv1a_reference("a\x1f")] * len(same), np.uint64)
+    assert [int(x) for x in fnv1a(pa.array(same), seed=seed)[0]] == [fnv1a_reference("a\x1f" + v) for v in same]
     # numbers hash as their text: 3, 3.0 and "3" are one value
     h3, _ = fnv1a(pa.array([3, 4]))
     hf, _ = fnv1a(pa.array([3.0, 4.0]))
@@ -273,3 +282,29 @@ def test_a_users_function_runs_before_the_statistics_and_at_serving(tmp_path, mo
         FittedPreprocessor.from_dict({**f.to_dict(), "function": "no_such_module:fn"})
     with pytest.raises(DataError, match="returned a Table of"):
         pipeline.prepare(path, world_size=1, **{**keys, "function": "user_functions:drops_rows"})
+
+
+@pytest.mark.parametrize("op", [dict(log1p=True, scale="none", fill="zero"), dict(scale="minmax", fill="constant"),
+                                dict(clip_min=-5.0, clip_max=40.0, log1p=True, scale="none", fill="zero"),
+                                dict(scale="bucketize", boundaries=(0.0, 10.0), fill="zero")])
+@pytest.mark.parametrize("dtype", [pa.int8(), pa.int64(), pa.uint64()])
+def test_an_integer_column_without_moments_gives_the_statistics_of_its_values(op, dtype):
+    """The fit takes an integer column's count, nulls, least and greatest straight from the integers when
+    its transform needs no mean or variance (stats.integer_bounds): the same figures as the statistics of
+    every value converted and prescaled, with nulls, negatives, huge integers and a row mask."""
+    from pipeline.fit.stats import NumericStats, integer_bounds, needs_moments
+    from pipeline.fit.transforms import NumericOp, prescale
+
+    rng = np.random.default_rng(7)
+    op = NumericOp(**op)
+    assert not needs_moments(op)
+    lo, hi = (-100, 100) if dtype == pa.int8() else (0, 2**64 - 1) if dtype == pa.uint64() else (-2**62, 2**62)
+    values = [int(x) for x in rng.integers(lo, hi, 5000, dtype=np.uint64 if dtype == pa.uint64() else np.int64,
+                                             endpoint=True)]
+    values = [None if i % 7 == 0 else v for i, v in enumerate(values)]
+    col = pa.chunked_array([pa.array(values[:3000], dtype), pa.array(values[3000:], dtype)])
+    for rows in (None, rng.random(len(values)) < 0.9, np.zeros(len(values), bool)):
+        got = integer_bounds(col, op, rows)
+        raw = col.cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
+        want = NumericStats.of(prescale(op, raw if rows is None else raw[rows]))
+        assert (got.count, got.nulls, got.min, got.max) == (want.count, want.nulls, want.min, want.max)

@@ -22,6 +22,7 @@ from ..read.quality import Accounting, screen
 from ..read.files import Fragment
 from ..read.row_groups import DamagedRowGroup, in_file, opened, read_fragment
 from ..read.source import Source
+from ..fit.apply import pack_columns
 from ..fit.transforms import apply_function
 
 ROW_ID = "__row_id"
@@ -226,9 +227,11 @@ def _split(spec: ReadSpec, fitted: FittedPreprocessor, f: Fragment, pf=None) -> 
         raise DataError(f"'{f.path}' row group {f.row_group} could be read during fit but not now "
                         f"({quarantine['reason']}); do not modify data.path while a run is in progress")
     val = _is_val(spec, kept)
-    rows, ids, extra = fitted.pack(kept), kept[ROW_ID].to_numpy(), extras(spec, kept)
-    # Packed first, split after: a boolean index on one float32 array instead of filtering every column.
-    return {v: (rows[m], ids[m], {c: x[m] for c, x in extra.items()}) for v, m in ((True, val), (False, ~val))}
+    columns, ids, extra = pack_columns(fitted, kept), kept[ROW_ID].to_numpy(), extras(spec, kept)
+    # Packed first, split after: a boolean index on one float32 array instead of filtering every column;
+    # each side's rows a row-major view of its column-major selection, copied once into rows where they
+    # land (the rank's tensor, or a Ray block)
+    return {v: (columns[:, m].T, ids[m], {c: x[m] for c, x in extra.items()}) for v, m in ((True, val), (False, ~val))}
 
 
 def _transform_piece(spec: ReadSpec, fitted: FittedPreprocessor, piece: Piece, split: dict[bool, Part]) -> Part:
@@ -249,5 +252,5 @@ def concat(parts: list[Part], fitted: FittedPreprocessor, spec: ReadSpec) -> dic
     if not parts:
         return {"rows": np.empty((0, fitted.width), np.float32), "row_id": np.empty(0, np.int64),
                 **{EXTRA + c: np.empty(0, object) for c in spec.columns.passthrough}}
-    return {"rows": np.concatenate([p[0] for p in parts]), "row_id": np.concatenate([p[1] for p in parts]),
+    return {"rows": np.ascontiguousarray(np.concatenate([p[0] for p in parts])), "row_id": np.concatenate([p[1] for p in parts]),
             **{EXTRA + c: np.concatenate([p[2][c] for p in parts]) for c in spec.columns.passthrough}}

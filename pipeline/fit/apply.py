@@ -47,6 +47,12 @@ def pack(fp, table: pa.Table) -> np.ndarray:
     batch of such rows is one gather (see dataset.py). Built a column at a time in a column-major
     buffer, then turned into rows in one copy: writing each column straight into the rows would touch
     every row's cache line once per column."""
+    return np.ascontiguousarray(pack_columns(fp, table).T)
+
+
+def pack_columns(fp, table: pa.Table) -> np.ndarray:
+    """float32 [width, n]: pack's rows column-major (a rank's reader selects its rows from it and
+    writes them into its tensor, the one copy into row-major)."""
     f, c, t = fp.num_features, len(fp.categorical), len(fp.targets)
     columns = np.empty((fp.width, table.num_rows), dtype=np.float32)
     _features_into(fp, table, columns[:f], columns[f:f + c].view(np.int32))
@@ -54,7 +60,7 @@ def pack(fp, table: pa.Table) -> np.ndarray:
         columns[f + c:f + c + t] = target_matrix(fp, table).T
     if fp.weight:
         columns[f + c + t] = as_float64(table[fp.weight])
-    return np.ascontiguousarray(columns.T)
+    return columns
 
 
 def features(fp, table: pa.Table, x: np.ndarray | None = None,

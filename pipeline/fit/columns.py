@@ -175,7 +175,8 @@ def category_ids(col: pa.ChunkedArray | pa.Array, vocab) -> np.ndarray:
         return lookup(arr)
     ids = np.zeros(len(arr.dictionary) + 1, np.int32)  # the last slot: null
     ids[:-1] = lookup(arr.dictionary)
-    return ids[pc.fill_null(arr.indices, len(arr.dictionary)).to_numpy(zero_copy_only=False)]
+    idx = arr.indices
+    return ids.take((pc.fill_null(idx, len(arr.dictionary)) if idx.null_count else idx).to_numpy(zero_copy_only=False))
 
 
 def value_counts(col: pa.ChunkedArray | pa.Array, rows: np.ndarray | None = None) -> dict[str, int]:

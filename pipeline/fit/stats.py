@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from . import counts as shuffle
 from .columns import Columns, as_float64, as_matrix, count_merge, count_table, value_counts
@@ -193,6 +194,10 @@ def partial_stats(table: pa.Table, cols: Columns, rows: np.ndarray | None = None
             s.numeric[c] = [NumericStats.of(v[:, j]) for j in range(v.shape[1])]
             s.null_rows[c] = int((~np.isfinite(v)).any(axis=1).sum())
             slots = [v[:, j] for j in range(v.shape[1])]
+        elif not needs_moments(op) and pa.types.is_integer(table[c].type):
+            s.numeric[c] = [integer_bounds(table[c], op, rows)]
+            s.null_rows[c] = s.numeric[c][0].nulls
+            continue
         else:
             v = prescale(op, taken(as_float64(table[c])))
             s.numeric[c] = [NumericStats.of(v)]
@@ -217,6 +222,30 @@ def partial_stats(table: pa.Table, cols: Columns, rows: np.ndarray | None = None
             s.target_counts[t.name] = value_counts(table[t.name], rows)
         else:
             s.target_moments[t.name] = NumericStats.of(taken(as_float64(table[t.name])))
+    return s
+
+
+def needs_moments(op: NumericOp) -> bool:
+    """The op's fitted apply uses the mean or the variance of the values (standardize, a mean fill), or a
+    sketch; the others need the count, least and greatest alone (integer_bounds)."""
+    return op.scale == "standardize" or op.fill == "mean" or op.needs_sketch
+
+
+def integer_bounds(col: pa.ChunkedArray, op: NumericOp, rows: np.ndarray | None = None) -> NumericStats:
+    """NumericStats of an integer column whose transform needs no moments (scale none or minmax, a fill
+    other than the mean: needs_moments): its count, nulls, least and greatest, taken from the integers
+    in one pass, the bounds then prescaled. The same figures as NumericStats.of(prescale(values)) where
+    they matter: an integer is never NaN or infinite, clip and log1p never make a finite value infinite
+    and keep the order of values, so the least value prescaled is the least of the values prescaled. The
+    mean and M2 stay 0 (fit_numeric reads them for standardize and a mean fill only)."""
+    if rows is not None:
+        col = col.filter(pa.array(rows))
+    nulls = col.null_count
+    s = NumericStats(count=len(col) - nulls, nulls=nulls)
+    if s.count:
+        mm = pc.min_max(col)
+        lo, hi = prescale(op, np.array([mm["min"].as_py(), mm["max"].as_py()], np.float64))
+        s.min, s.max = float(lo), float(hi)
     return s
 
 
