@@ -274,3 +274,27 @@ def test_validate_deep_decodes_every_page_and_names_damaged_row_groups(tmp_path,
     assert "1 damaged row groups" in err and "Traceback" not in err
     assert cli.main([*args, "--quality.on_bad_file", "quarantine"]) == 0
     assert "0 files and 1 row groups would be set aside" in capsys.readouterr().out
+
+
+def test_the_footer_check_takes_a_float_columns_bounds_as_pyarrow_does():
+    """statistics_problem's bounds of a float column (numpy's fmin / fmax, for speed) are pyarrow's min_max:
+    NaN passed over, NaN where every value is NaN, nothing where every value is null, infinities and signed
+    zeros kept, over several chunks."""
+    import pyarrow.compute as pc
+
+    from pipeline.read.row_groups import _min_max
+
+    rng = np.random.default_rng(3)
+    pool = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, None, 1.5, -2.25]
+    for t in (pa.float64(), pa.float32(), pa.int32()):
+        for trial in range(200):
+            n = int(rng.integers(0, 6))
+            vals = [pool[i] for i in rng.integers(0, len(pool), n)] + list(rng.normal(size=int(rng.integers(0, 3))))
+            if t == pa.int32():
+                vals = [None if v is None or v != v or abs(v) == float("inf") else int(v) for v in vals]
+            cut = int(rng.integers(0, len(vals) + 1))
+            col = pa.chunked_array([pa.array(vals[:cut], t), pa.array(vals[cut:], t)])
+            mm = pc.min_max(col)
+            want, got = (mm["min"].as_py(), mm["max"].as_py()), _min_max(col)
+            assert [None if x is None else ("nan" if x != x else x) for x in got] == \
+                   [None if x is None else ("nan" if x != x else x) for x in want], (vals, t)

@@ -231,7 +231,8 @@ def _split(spec: ReadSpec, fitted: FittedPreprocessor, f: Fragment, pf=None) -> 
     # Packed first, split after: a boolean index on one float32 array instead of filtering every column;
     # each side's rows a row-major view of its column-major selection, copied once into rows where they
     # land (the rank's tensor, or a Ray block)
-    return {v: (columns[:, m].T, ids[m], {c: x[m] for c, x in extra.items()}) for v, m in ((True, val), (False, ~val))}
+    return {v: (np.compress(m, columns, axis=1).T, ids[m], {c: x[m] for c, x in extra.items()})
+            for v, m in ((True, val), (False, ~val))}
 
 
 def _transform_piece(spec: ReadSpec, fitted: FittedPreprocessor, piece: Piece, split: dict[bool, Part]) -> Part:

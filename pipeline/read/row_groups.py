@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -40,13 +41,25 @@ def statistics_problem(rg, table: pa.Table) -> str | None:
         if not stats.has_min_max or not (pa.types.is_integer(t) or pa.types.is_boolean(t)
                                          or pa.types.is_float32(t) or pa.types.is_float64(t)):
             continue
-        mm = pc.min_max(col)
-        lo, hi = mm["min"].as_py(), mm["max"].as_py()
+        lo, hi = _min_max(col)
         if lo is None:
             continue  # only nulls or NaN decoded: the null count above already spoke
         if (lo, hi) != (stats.min, stats.max):
             return f"column '{name}': min {lo!r} and max {hi!r} decoded, the footer says {stats.min!r} and {stats.max!r}"
     return None
+
+
+def _min_max(col: pa.ChunkedArray) -> tuple:
+    """pyarrow's min_max of a column as Python values (None, None where every value is null). Floats by
+    numpy's fmin / fmax, which skip NaN as pyarrow's does (all NaN gives NaN) at a tenth of the time:
+    pyarrow's float kernel is not vectorised, a tenth of a rank's time on the demo's 12 float columns."""
+    if not pa.types.is_floating(col.type) or pa.types.is_float16(col.type):
+        mm = pc.min_max(col)
+        return mm["min"].as_py(), mm["max"].as_py()
+    if col.null_count == len(col):
+        return None, None
+    v = col.to_numpy()  # nulls as NaN, which fmin / fmax pass over
+    return float(np.fmin.reduce(v)), float(np.fmax.reduce(v))
 
 
 def indices_within(col: pa.ChunkedArray) -> None:
