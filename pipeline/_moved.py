@@ -60,6 +60,8 @@ class _Moved(types.ModuleType):
         self.__homes = homes
 
     def __getattr__(self, name: str):
+        if name == "__all__":  # `from <old path> import *`: every home's public names
+            return sorted({n for h in self.__homes for n in _public(importlib.import_module(h))})
         if name.startswith("__"):
             raise AttributeError(name)
         for home in self.__homes:
@@ -70,6 +72,10 @@ class _Moved(types.ModuleType):
 
     def __dir__(self):
         return sorted({n for h in self.__homes for n in dir(importlib.import_module(h))})
+
+
+def _public(module) -> list[str]:
+    return list(getattr(module, "__all__", None) or [n for n in vars(module) if not n.startswith("_")])
 
 
 class _Loader(importlib.abc.Loader):

@@ -130,6 +130,15 @@ def test_the_flat_layouts_module_paths_still_import_and_name_the_same_objects():
     assert pipeline.vocab.Parts.__module__ == "pipeline.fit.vocab_parts"  # its home before vocab_parts.py
     with pytest.raises(AttributeError, match="moved to"):
         pipeline.vocab.no_such_name  # noqa: B018
+    for old, homes in _moved.MOVED.items():  # `from <old path> import *` (a user's script; bench/scale.py's
+        # children did so, and found nothing once the module had moved): every public name of the new homes
+        got: dict = {}
+        exec(f"from {old} import *", got)
+        module = importlib.import_module(old)
+        for home in homes:
+            new = importlib.import_module(home)
+            names = getattr(new, "__all__", None) or [n for n in vars(new) if not n.startswith("_")]
+            assert all(got[n] is getattr(module, n) for n in names), (old, home)  # (a name in two homes: the first's)
 
 
 def test_the_old_paths_resolve_in_a_fresh_interpreter_as_pickle_and_ray_hooks_import_them():

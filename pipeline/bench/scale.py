@@ -119,7 +119,7 @@ def handwritten_counts(path: str) -> None:
 
 def _child(call: str, timeout: float) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, "-c", f"from pipeline.bench_scale import *; {call}"], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", f"from pipeline.bench.scale import *; {call}"], capture_output=True,
                          text=True, timeout=timeout, env=env)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
