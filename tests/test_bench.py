@@ -79,3 +79,13 @@ def test_increments_bench_compares_the_chain_with_the_full_refit_day_by_day(tmp_
         assert all(0.0 <= r[f"{m}_auc"] <= 1.0 and r[f"{m}_logloss"] > 0 for m in ("chain", "full", "day_only"))
         assert all(after >= before for before, after in r["growth"].values())
     assert png.stat().st_size > 10_000
+
+
+def test_the_scale_bench_children_find_its_functions():
+    """bench --mode preprocess --scale runs each measurement in a child process of its own, which imports the
+    bench's module by name (a path that once moved, and the children then found nothing)."""
+    from pipeline.bench import scale
+
+    got = scale._child("import json; print('RESULT ' + json.dumps([callable(handwritten_counts), "
+                       "callable(driver), callable(one_process)]))", 120)
+    assert got == [True, True, True]
