@@ -253,5 +253,6 @@ def concat(parts: list[Part], fitted: FittedPreprocessor, spec: ReadSpec) -> dic
     if not parts:
         return {"rows": np.empty((0, fitted.width), np.float32), "row_id": np.empty(0, np.int64),
                 **{EXTRA + c: np.empty(0, object) for c in spec.columns.passthrough}}
-    return {"rows": np.ascontiguousarray(np.concatenate([p[0] for p in parts])), "row_id": np.concatenate([p[1] for p in parts]),
+    return {"rows": np.ascontiguousarray(np.concatenate([p[0] for p in parts])),  # (parts may be column-major views)
+            "row_id": np.concatenate([p[1] for p in parts]),
             **{EXTRA + c: np.concatenate([p[2][c] for p in parts]) for c in spec.columns.passthrough}}
