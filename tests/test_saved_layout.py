@@ -131,18 +131,22 @@ def test_public_classes_are_the_old_paths():
     assert pipeline.preprocess.Transformed is pipeline.Transformed
 
 
-def test_plan_loads_with_its_counts(plan):
-    assert type(plan) is pipeline.IngestPlan
-    assert type(plan.fitted) is pipeline.FittedPreprocessor
-    assert plan.world_size == EXPECTED["world_size"]
-    assert plan.source.num_rows == EXPECTED["num_rows"]
-    assert plan.train_rows == EXPECTED["train_rows"]
-    assert plan.train_sizes == EXPECTED["train_sizes"]
-    assert plan.val_sizes == EXPECTED["val_sizes"]
+def assert_plan_shares(plan, exp: dict) -> None:
+    """A loaded plan is today's IngestPlan with the world, rows and shares an expected.json recorded, also
+    re-planned for 3 ranks from the fit's counts alone (no data read)."""
+    assert type(plan) is pipeline.IngestPlan and type(plan.fitted) is pipeline.FittedPreprocessor
+    assert plan.world_size == exp["world_size"]
+    assert plan.source.num_rows == exp["num_rows"]
+    assert plan.train_rows == exp["train_rows"]
+    assert plan.train_sizes == exp["train_sizes"]
+    assert plan.val_sizes == exp["val_sizes"]
     assert not plan.empty
-    # re-planned for another world from the fit's counts alone (no data read)
-    assert plan.for_world(3).train_sizes == EXPECTED["world3_train_sizes"]
-    assert plan.for_world(3).val_sizes == EXPECTED["world3_val_sizes"]
+    assert plan.for_world(3).train_sizes == exp["world3_train_sizes"]
+    assert plan.for_world(3).val_sizes == exp["world3_val_sizes"]
+
+
+def test_plan_loads_with_its_counts(plan):
+    assert_plan_shares(plan, EXPECTED)
     assert [Path(s.path).relative_to(EXPECTED["saved_from"]).as_posix() for s in plan.source.shards] == \
         ["data/part-00000.parquet", "data/part-00001.parquet"]
     assert list(plan.fitted.numeric) == EXPECTED["numeric"]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_saved_layout import fixture_script
+from test_saved_layout import assert_plan_shares, fixture_script
 
 import pipeline
 
@@ -45,15 +45,6 @@ def resolve(path: str):
 
 def load(name: str, folder: Path = HERE):
     return pipeline.IngestPlan.load(str(folder / name / "plan.pkl"))
-
-
-def named_files(plan) -> list[str]:
-    """The files the loaded plan reads beside its pickle: vocabulary parts and category counts."""
-    parts = {id(v.parts): v.parts for v in plan.fitted.vocab if hasattr(v, "parts")}
-    out = [s + ".arrow" for p in parts.values() for s in p.sources]
-    if plan.fitted.history is not None:
-        out += list(plan.fitted.history.sources)
-    return out
 
 
 def vocab_lists(fitted) -> dict[str, list[str]]:
@@ -112,16 +103,7 @@ def assert_like_saved(plan, name: str, folder: Path = HERE) -> None:
     """The loaded plan's figures equal the ones make.py recorded with the old code."""
     exp = EXPECTED[name]
     src, acct, fitted = plan.source, plan.accounting, plan.fitted
-    assert type(plan) is pipeline.IngestPlan and type(fitted) is pipeline.FittedPreprocessor
-    assert plan.world_size == exp["world_size"]
-    assert src.num_rows == exp["num_rows"]
-    assert plan.train_rows == exp["train_rows"]
-    assert plan.train_sizes == exp["train_sizes"]
-    assert plan.val_sizes == exp["val_sizes"]
-    assert not plan.empty
-    # re-planned for another world from the fit's counts alone (no data read)
-    assert plan.for_world(3).train_sizes == exp["world3_train_sizes"]
-    assert plan.for_world(3).val_sizes == exp["world3_val_sizes"]
+    assert_plan_shares(plan, exp)
     assert [[relative(s.path, EXPECTED_ROOT), s.num_rows] for s in src.shards] == exp["shards"]
     assert len(src.fragments) == exp["fragments"]
     assert acct.as_dict() == exp["accounting"]
@@ -141,7 +123,7 @@ def assert_like_saved(plan, name: str, folder: Path = HERE) -> None:
     h = fitted.history
     assert h is not None and h.rows == exp["history_rows"] and list(h.columns) == exp["history_columns"]
     assert counted(h) == exp["counted"]  # the counts an increment extends, readable from the parts beside the plan
-    named = named_files(plan)
+    named = MAKE.named_files(plan)
     assert named and all(p.startswith(str(folder / name) + "/") for p in named), named  # found beside the plan
     assert [relative(p, str(folder / name)) for p in named] == exp["named_files"]
 
@@ -196,7 +178,7 @@ def test_plain_pickle_names_the_parts_where_they_were_saved(name):
     fmt, plan = pickle.loads((HERE / name / "plan.pkl").read_bytes())
     assert fmt == PLAN_FORMAT and type(plan) is pipeline.IngestPlan
     saved_from = EXPECTED[name]["saved_from"]
-    assert [relative(p, saved_from) for p in named_files(plan)] == EXPECTED[name]["named_files"]
+    assert [relative(p, saved_from) for p in MAKE.named_files(plan)] == EXPECTED[name]["named_files"]
 
 
 @pytest.mark.parametrize("name", PLANS)
@@ -271,7 +253,7 @@ def test_plan_round_trip_save(name, tmp_path):
     assert again.increment == plan.increment and again.source.bad_files == plan.source.bad_files
     assert again.source.table == plan.source.table
     assert_transforms_like_saved(again.fitted, name)
-    assert all(p.startswith(str(tmp_path / name) + "/") for p in named_files(again))
+    assert all(p.startswith(str(tmp_path / name) + "/") for p in MAKE.named_files(again))
     data = Path(uri).read_bytes()
     fmt, plain = pickle.loads(data)
     assert fmt == PLAN_FORMAT and type(plain) is pipeline.IngestPlan
