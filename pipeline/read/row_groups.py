@@ -70,8 +70,7 @@ def indices_within(col: pa.ChunkedArray) -> None:
     for chunk in col.chunks:
         if not len(chunk) or chunk.null_count == len(chunk):
             continue
-        mm = pc.min_max(chunk.indices)
-        lo, hi = mm["min"].as_py(), mm["max"].as_py()
+        lo, hi = _min_max(chunk.indices)
         if lo < 0 or hi >= len(chunk.dictionary):
             raise pa.ArrowInvalid(f"dictionary index {lo if lo < 0 else hi} outside a dictionary of "
                                   f"{len(chunk.dictionary)} values")
